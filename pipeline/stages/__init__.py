@@ -1,0 +1,1 @@
+"""One module per pipeline stage; each exposes ``run(cfg, directory, tracker) -> counts``."""

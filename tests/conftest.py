@@ -1,0 +1,34 @@
+"""Shared fixtures. Expensive things (converted models) are made once per machine under models/
+and shared by every test session, as the pipeline itself shares them."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.config import REPO_ROOT, compose_config
+from pipeline.models.provision import model_path
+
+MODELS_DIR = REPO_ROOT / "models"
+
+
+@pytest.fixture
+def runs_dir(tmp_path):
+    return tmp_path / "runs"
+
+
+@pytest.fixture
+def ci_cfg(runs_dir):
+    """The ci recipe with its run directory under the test's tmp dir."""
+    return compose_config(["recipe=ci", f"paths.runs_dir={runs_dir}", f"paths.cache_dir={runs_dir}/cache"])
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> str:
+    cfg = compose_config(["recipe=local"])
+    return model_path(cfg.target, MODELS_DIR)
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> str:
+    cfg = compose_config(["recipe=ci"])
+    return model_path(cfg.target, MODELS_DIR)

@@ -1,0 +1,86 @@
+"""Every recipe composes with every language; bad input fails at compose time in one line."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.config import REPO_ROOT, ConfigError, compose_config, options
+
+RECIPES = options("recipe")
+LANGS = options("lang")
+
+
+def test_the_paper_local_and_ci_recipes_exist():
+    assert {"local", "ci", "paper-vicuna", "paper-llama2", "paper-gemma"} <= set(RECIPES)
+    assert {"de-en", "fr-en", "ru-en", "ja-en", "zh-en"} <= set(LANGS)
+
+
+@pytest.mark.parametrize("recipe,lang", list(itertools.product(RECIPES, LANGS)))
+def test_every_recipe_composes_with_every_language(recipe, lang):
+    cfg = compose_config([f"recipe={recipe}", f"lang={lang}"])
+    assert cfg.recipe == recipe
+    assert cfg.lang.pair == lang
+    assert cfg.lang.src and cfg.lang.tgt and cfg.target.name and cfg.drafter.name
+
+
+@pytest.mark.parametrize("group", ["target", "drafter", "data", "train", "eval", "logger"])
+def test_every_group_option_composes(group):
+    for option in options(group):
+        compose_config([f"{group}={option}"])
+
+
+def test_paper_recipes_carry_the_paper_settings():
+    vicuna = compose_config(["recipe=paper-vicuna"])
+    assert vicuna.target.path == "lmsys/vicuna-7b-v1.3"
+    assert vicuna.target.system_prompt.startswith("A chat between a curious user and an artificial intelligence")
+    assert vicuna.train.finetune.lr == 2e-5 and vicuna.train.finetune.epochs == 3
+    assert vicuna.train.finetune.warmup_ratio == 0.03 and vicuna.train.finetune.max_length == 2048
+    assert compose_config(["recipe=paper-llama2"]).train.finetune.lr == 3e-5
+    f_only = compose_config(["recipe=paper-vicuna-f-only"])
+    assert f_only.train.finetune.mode.value == "finetune_only" and f_only.train.finetune.epochs == 5
+    gemma = compose_config(["recipe=paper-gemma"]).drafter
+    assert (gemma.hidden_size, gemma.intermediate_size, gemma.num_heads, gemma.num_layers, gemma.num_kv_heads) == (
+        768, 6144, 16, 2, 2)
+    assert gemma.hidden_act.startswith("gelu") and gemma.rms_norm_eps == 1e-6
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["lang=xx-yy"], "unknown lang 'xx-yy'"),
+        (["recipe=nope"], "unknown recipe 'nope'; valid: ci, local"),
+        (["target=nope"], "unknown target 'nope'; valid:"),
+        (["train.finetune.lrr=1"], "Key 'lrr' not in 'FinetuneConfig'; valid keys: lr,"),
+        (["+drafter.hidden=1"], "Key 'hidden' not in 'DrafterConfig'; valid keys:"),
+        (["train.finetune.lr=fast"], "train.finetune.lr: Value 'fast' of type 'str' could not be converted to Float"),
+        (["train.finetune.mode=both"], "expected one of [pretrain_finetune, finetune_only]"),
+        (["drafter.num_heads=3"], "not divisible by drafter.num_heads 3"),
+        (["eval.num_draft_tokens=0"], "must be >= 1"),
+        (["train.pretrain.launch=nope"], "launch 'nope' unknown; valid: ddp"),
+        (["lang"], "is not KEY=VALUE"),
+    ],
+)
+def test_bad_input_is_a_one_line_error(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        compose_config(overrides)
+    message = str(info.value)
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_unknown_lang_lists_every_valid_pair():
+    with pytest.raises(ConfigError) as info:
+        compose_config(["lang=xx-yy"])
+    assert all(pair in str(info.value) for pair in LANGS)
+
+
+def test_cli_prints_one_line_and_exits_2():
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline", "distill", "lang=xx-yy"], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: unknown lang 'xx-yy'")

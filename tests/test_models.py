@@ -1,0 +1,59 @@
+"""Offline models: GGUF packages convert once to HF folders that load and generate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import compose_config
+from pipeline.models.provision import CHECKSUMS, ModelNotFoundError, load_model, load_tokenizer, verify_checksums
+from pipeline.prompts import build_prompt
+
+pytestmark = pytest.mark.slow
+
+
+def greedy(path: str, prompt: str, max_new_tokens: int = 30) -> str:
+    tokenizer, model = load_tokenizer(path), load_model(path)
+    inputs = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, inputs.input_ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_gemma_target_translates_german_to_english(gemma_path):
+    cfg = compose_config(["recipe=local", "lang=de-en"])
+    tokenizer = load_tokenizer(gemma_path)
+    assert len(tokenizer) == 262144
+    prompt = build_prompt(cfg.target, cfg.lang, "Der Hund läuft durch den Park, weil er seinen Ball finden will.", tokenizer)
+    assert prompt.endswith("\nEnglish:")
+    assert tokenizer(prompt).input_ids[0] == tokenizer.bos_token_id  # Gemma only translates after <bos>
+    translation = greedy(gemma_path, prompt).split("\n")[0].strip().lower()
+    assert "dog" in translation and "park" in translation and "ball" in translation, translation
+
+
+def test_smollm_fixture_uses_its_chat_template(smollm_path):
+    cfg = compose_config(["recipe=ci", "lang=fr-en"])
+    tokenizer = load_tokenizer(smollm_path)
+    prompt = build_prompt(cfg.target, cfg.lang, "Bonjour tout le monde.", tokenizer)
+    assert "<|im_start|>user\nTranslate French to English: Bonjour tout le monde.<|im_end|>" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert greedy(smollm_path, prompt, max_new_tokens=8).strip()
+
+
+def test_converted_folder_is_checksummed(smollm_path, tmp_path):
+    folder = Path(smollm_path)
+    checksums = json.loads((folder / CHECKSUMS).read_text())
+    assert "model.safetensors" in checksums and "config.json" in checksums
+    verify_checksums(folder)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in checksums:
+        (copy / name).write_bytes((folder / name).read_bytes())
+    (copy / CHECKSUMS).write_text(json.dumps(checksums))
+    with (copy / "config.json").open("a") as handle:
+        handle.write(" ")
+    with pytest.raises(ModelNotFoundError, match="does not match its checksum"):
+        verify_checksums(copy)
