@@ -70,8 +70,9 @@ all: distill pretrain finetune eval ## the four stages for LANG
 demo: ## the local recipe end to end on this CPU (not yet: issue #6)
 	@echo "make demo is not implemented yet (issue #6); run: make all LANG=de-en" >&2; exit 2
 
-bench: install ## benchmarks, results under runs/bench/ (not yet: issue #3)
-	@echo "make bench is not implemented yet (issue #3)" >&2; exit 2
+BENCH ?=
+bench: install ## benchmarks (not tests), results in runs/bench/NAME.json; BENCH=NAME runs one
+	$(PY) -m pipeline.bench $(BENCH)
 
 report: install ## result tables from finished eval stages (not yet: issue #3)
 	@echo "make report is not implemented yet (issue #3)" >&2; exit 2
