@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import wandb
+
 from pipeline.config import compose_config
-from pipeline.tracking import RUN_ID_FILE, stage_tracker
+from pipeline.tracking import RUN_ID_FILE, read_offline_run, stage_tracker
 
 
 def test_wandb_offline_run_is_written_and_resumable(tmp_path, monkeypatch):
@@ -15,7 +17,12 @@ def test_wandb_offline_run_is_written_and_resumable(tmp_path, monkeypatch):
         assert tracker.run.job_type == "pretrain" and tracker.run.group == "ci/smollm2-135m/tiny-ci"
     run_id = (tmp_path / RUN_ID_FILE).read_text().strip()
     runs = list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
-    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    assert len(runs) == 1
+    wandb.teardown()  # wandb-core writes the file asynchronously; teardown waits for it (as process exit does)
+    logged = read_offline_run(next(runs[0].glob("*.wandb")))
+    assert [row["loss"] for row in logged["history"]] == [1.5]
+    assert logged["summary"]["final_loss"] == 1.5
+    assert logged["config"]["lang"]["pair"] == "de-en"  # the resolved config is uploaded
     with stage_tracker(cfg, "pretrain", tmp_path) as tracker:  # a resumed stage keeps its run id
         assert tracker.run.id == run_id
 
