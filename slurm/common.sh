@@ -1,0 +1,60 @@
+# Sourced by every slurm/*.sbatch script; the job runs in the repo root (slurm/submit.sh passes --chdir).
+set -euo pipefail
+[[ -f pipeline/__main__.py ]] || { echo "error: the job must run in the specdraft repo root (sbatch --chdir=REPO)" >&2; exit 2; }
+
+# sbatch exports the caller's environment, whose LANG is a locale that may not exist on this node:
+# children get one that always does. The language pair travels as LANG_PAIR, never LANG.
+export LANG=C.UTF-8 LC_ALL=C.UTF-8 PYTHONUNBUFFERED=1
+PY=${SPECDRAFT_PYTHON:-.venv/bin/python}
+
+# An array job runs one pair per task: task i takes the i-th word of LANG_PAIRS.
+if [[ -n ${SLURM_ARRAY_TASK_ID:-} && -n ${LANG_PAIRS:-} ]]; then
+    read -r -a pairs <<<"$LANG_PAIRS"
+    LANG_PAIR=${pairs[$SLURM_ARRAY_TASK_ID]:?"array task $SLURM_ARRAY_TASK_ID has no pair in LANG_PAIRS='$LANG_PAIRS'"}
+fi
+LANG_PAIR=${LANG_PAIR:-de-en}
+echo "job ${SLURM_JOB_ID:-none} (restart ${SLURM_RESTART_COUNT:-0}) on $(hostname): ${SLURM_JOB_NAME:-stage} lang=$LANG_PAIR"
+
+# run_requeueable COMMAND...: run the stage; when Slurm warns that the time limit is near
+# (#SBATCH --signal=B:USR1@SECONDS), SIGTERM it (the stage checkpoints and exits) and requeue the job,
+# whose rerun resumes from the checkpoint (stage directories are deterministic; resume=auto).
+# SIGTERM, not USR1, because srun and accelerate/torchrun forward SIGTERM to every process they started.
+run_requeueable() {
+    local child status time_up=""
+    "$@" &
+    child=$!
+    trap 'echo "time limit near: stopping the stage to requeue"; time_up=1; kill -TERM "$child"' USR1
+    while :; do
+        status=0
+        wait "$child" || status=$?
+        kill -0 "$child" 2>/dev/null || break  # exited, rather than a trap interrupting the wait
+    done
+    trap - USR1
+    if [[ -n $time_up && $status -ne 0 ]]; then
+        echo "requeueing job $SLURM_JOB_ID (stage exited $status after checkpointing)"
+        scontrol requeue "$SLURM_JOB_ID"
+    fi
+    return "$status"
+}
+
+# run_training STAGE OVERRIDES...: pretrain or finetune on every node of the allocation.
+# One node: the stage itself (it launches its own processes for train.<stage>.num_processes > 1).
+# Several nodes: srun starts one `accelerate launch` per node; the single quotes make each node's task
+# expand ITS OWN SLURM_NODEID, while the rendezvous address is the allocation's first node.
+run_training() {
+    local stage=$1
+    shift
+    if ((${SLURM_NNODES:-1} == 1)); then
+        run_requeueable "$PY" -m pipeline "$stage" "$@" "lang=$LANG_PAIR"
+        return
+    fi
+    MAIN_PROCESS_IP=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+    MAIN_PROCESS_PORT=${MAIN_PROCESS_PORT:-29500}
+    export MAIN_PROCESS_IP MAIN_PROCESS_PORT PY
+    run_requeueable srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c '
+        exec "$PY" -m accelerate.commands.launch --config_file "recipes/launch/$LAUNCH.yaml" \
+            --num_machines "$SLURM_NNODES" --machine_rank "$SLURM_NODEID" \
+            --main_process_ip "$MAIN_PROCESS_IP" --main_process_port "$MAIN_PROCESS_PORT" \
+            --num_processes "$((SLURM_NNODES * PROCESSES_PER_NODE))" -m pipeline "$@"' \
+        train "$stage" "$@" "lang=$LANG_PAIR"
+}
