@@ -14,13 +14,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import ConfigError, compose_config
 from pipeline.models.provision import ModelNotFoundError, model_path
+from pipeline.models.vocab import TokenizerMismatchError
 from pipeline.rundir import STAGES, StageConflictError, StageInputError, stage_dir
 from pipeline.tracking import stage_tracker
 
 COMMANDS = (*STAGES, "config", "prepare")
 # Issue that implements each stage, for the message a not-yet-implemented stage gives.
 STAGE_ISSUES = {"distill": 4, "pretrain": 5, "finetune": 5, "eval": 3}
-USER_ERRORS = (ConfigError, StageInputError, StageConflictError, ModelNotFoundError, FileNotFoundError)
+USER_ERRORS = (ConfigError, StageInputError, StageConflictError, ModelNotFoundError, FileNotFoundError, TokenizerMismatchError)
 
 
 def stage_module(stage: str):

@@ -1,0 +1,118 @@
+"""Drafter models: built from the ``drafter`` config group around the target's tokenizer.
+
+A drafter is a plain HF causal LM. ``source=init`` builds one with random weights from the
+architecture fields (vocabulary, BOS/EOS/PAD ids from the target, or the reduced vocabulary of a
+``VocabMap``); ``source=hub|local`` loads published weights (e.g. JackFram/llama-68m). Every drafter
+passes ``check_drafter`` — same tokenizer as the target, and a vocabulary of the target's padded
+size (or of its vocab map) — before any compute.
+
+A finished drafter folder holds the weights (``save_pretrained``), the target's tokenizer and, for a
+reduced vocabulary, ``vocab_map.json``: loadable by ``AutoModelForCausalLM`` and, full-vocab, usable
+as transformers' ``assistant_model``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from pipeline.config import ConfigError, ModelSource
+from pipeline.models.vocab import TokenizerMismatchError, VocabMap, check_tokenizers
+
+
+def reduced_vocab(drafter: DictConfig, counts: torch.Tensor, tokenizer) -> VocabMap | None:
+    """The drafter's reduced vocabulary: the ``drafter.reduced_vocab`` most counted target ids and every special id."""
+    if drafter.reduced_vocab is None:
+        return None
+    return VocabMap.most_frequent(counts, drafter.reduced_vocab, always=tokenizer.all_special_ids)
+
+
+def init_drafter(drafter: DictConfig, target_path: str, vocab: VocabMap | None, seed: int) -> PreTrainedModel:
+    """A randomly initialised drafter of the configured shape, on the target's (or the reduced) vocabulary."""
+    target_config = AutoConfig.from_pretrained(target_path)
+    special = {name: getattr(target_config, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    if vocab is not None:  # the special ids are always in the map (VocabMap.most_frequent's `always`)
+        special = {name: _to_drafter_ids(ids, vocab) for name, ids in special.items()}
+    config = AutoConfig.for_model(
+        drafter.architecture,
+        vocab_size=vocab.drafter_vocab_size if vocab is not None else target_config.vocab_size,
+        hidden_size=drafter.hidden_size,
+        num_hidden_layers=drafter.num_layers,
+        num_attention_heads=drafter.num_heads,
+        num_key_value_heads=drafter.num_kv_heads or drafter.num_heads,
+        head_dim=drafter.head_dim or drafter.hidden_size // drafter.num_heads,
+        intermediate_size=drafter.intermediate_size,
+        hidden_act=drafter.hidden_act,
+        hidden_activation=drafter.hidden_act,  # Gemma's name for it
+        rms_norm_eps=drafter.rms_norm_eps,
+        max_position_embeddings=drafter.max_position_embeddings,
+        tie_word_embeddings=drafter.tie_word_embeddings,
+        **special,
+    )
+    torch.manual_seed(seed)  # every rank builds the same weights
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _to_drafter_ids(ids, vocab: VocabMap):
+    if ids is None:
+        return None
+    if isinstance(ids, list):
+        return [int(vocab.to_drafter[i]) for i in ids]
+    return int(vocab.to_drafter[ids])
+
+
+def check_drafter(drafter_path: str, target_path: str, name: str = "drafter") -> VocabMap | None:
+    """The compatibility gate for a drafter folder (or hub id): tokenizer and vocabulary size.
+
+    Returns the folder's vocab map (None for a full-vocabulary drafter).
+    """
+    check_tokenizers(AutoTokenizer.from_pretrained(drafter_path), AutoTokenizer.from_pretrained(target_path), name)
+    vocab = VocabMap.load(drafter_path) if Path(drafter_path).is_dir() else None
+    target_size = AutoConfig.from_pretrained(target_path).vocab_size
+    drafter_size = AutoConfig.from_pretrained(drafter_path).vocab_size
+    expected = vocab.drafter_vocab_size if vocab is not None else target_size
+    if vocab is not None and vocab.target_vocab_size != target_size:
+        raise TokenizerMismatchError(
+            f"{name}'s vocab map covers {vocab.target_vocab_size} target ids but the target has {target_size}; "
+            "retrain the drafter for this target"
+        )
+    if drafter_size != expected:
+        raise TokenizerMismatchError(
+            f"{name} predicts {drafter_size} tokens but the target's (padded) vocabulary needs {expected}; "
+            "build the drafter with the target's tokenizer"
+        )
+    return vocab
+
+
+def load_drafter(path: str, target_path: str, name: str = "drafter") -> tuple[PreTrainedModel, VocabMap | None]:
+    """A drafter folder or hub id, after the compatibility gate."""
+    vocab = check_drafter(path, target_path, name)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), vocab
+
+
+def build_drafter(
+    drafter: DictConfig, target_path: str, vocab: VocabMap | None, seed: int
+) -> tuple[PreTrainedModel, VocabMap | None]:
+    """The drafter the config asks for: random init (with ``vocab``), or published hub/local weights."""
+    if drafter.source == ModelSource.init:
+        return init_drafter(drafter, target_path, vocab, seed), vocab
+    if drafter.reduced_vocab is not None:
+        raise ConfigError(f"drafter.reduced_vocab needs drafter.source=init; {drafter.path} brings its own vocabulary")
+    return load_drafter(drafter.path, target_path, drafter.name)
+
+
+def save_drafter(model: PreTrainedModel, target_path: str, vocab: VocabMap | None, folder: Path, state_dict=None) -> None:
+    """Write the drafter folder atomically: weights, the target's tokenizer, the vocab map."""
+    partial = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial, state_dict=state_dict)
+    AutoTokenizer.from_pretrained(target_path).save_pretrained(partial)
+    if vocab is not None:
+        vocab.save(partial)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(partial, folder)

@@ -1,0 +1,48 @@
+"""Stage 3: finetune the drafter on the target's own answers for one language pair (self-distillation).
+
+Each distilled record becomes the exact sequence the target saw and produced (prompt as built by
+``build_prompt``, response, then its stop string or EOS); the loss is on the response and stop
+only. All temperatures are mixed. P-F starts from the pretrain stage's drafter (and its vocabulary
+map); F-only from random init, with a reduced vocabulary counted on the finetuning data.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+from transformers import AutoConfig
+
+from pipeline.config import ConfigError, FinetuneMode, Loss
+from pipeline.models.drafter import build_drafter, load_drafter, reduced_vocab
+from pipeline.models.provision import load_tokenizer, model_path
+from pipeline.rundir import StageDir, StageInputError, make_command
+from pipeline.tracking import Tracker
+from pipeline.training import loop
+from pipeline.training.data import finetune_examples, read_records, token_counts
+from pipeline.training.launch import MetricsLog, run_training
+
+
+def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
+    if cfg.train.finetune.loss != Loss.ce:
+        raise ConfigError(f"train.finetune.loss={cfg.train.finetune.loss.value} is not implemented yet; use loss=ce")
+    return run_training(cfg, "finetune", directory, tracker)
+
+
+def train(cfg: DictConfig, directory: StageDir, log: MetricsLog) -> dict:
+    """What every training process runs."""
+    tc = cfg.train.finetune
+    target_path = model_path(cfg.target, cfg.paths.models_dir)
+    tokenizer = load_tokenizer(target_path)
+    if tc.mode == FinetuneMode.pretrain_finetune:  # the compatibility gate, before any compute
+        model, vocab = load_drafter(str(directory.inputs["pretrain"].path / "drafter"), target_path, cfg.drafter.name)
+
+    records_dir = directory.inputs["distill"].path / "records"
+    records = read_records(records_dir)
+    if not records:
+        raise StageInputError(f"{records_dir} holds no records; run `{make_command(cfg, 'distill')}` with force=true")
+    examples = finetune_examples(records, tokenizer, tc.max_length)
+    if tc.mode == FinetuneMode.finetune_only:
+        counts = token_counts(examples, AutoConfig.from_pretrained(target_path).vocab_size)
+        model, vocab = build_drafter(cfg.drafter, target_path, reduced_vocab(cfg.drafter, counts, tokenizer), cfg.seed)
+
+    counts = loop.train_drafter(tc, model, vocab, examples, tokenizer, target_path, directory.path, log, cfg.seed)
+    return {**counts, "records": len(records), "temperatures": sorted({r["temperature"] for r in records})}

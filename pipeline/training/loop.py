@@ -1,0 +1,224 @@
+"""The one training loop of pretrain and finetune (accelerate: one process, DDP or DeepSpeed ZeRO-2).
+
+``train.X.batch_size`` is the GLOBAL batch of one optimizer step: it is split into ``grad_accum``
+micro-batches and each micro-batch across the processes, so 1 and N processes see the same data per
+step and compute the same loss — the mean cross-entropy over the micro-batch's label tokens of all
+processes (token-weighted, so padding and prompt masks never skew it).
+
+Data order is a permutation of the examples seeded by (seed, epoch); a checkpoint (accelerate's
+``save_state``: model, optimizer, scheduler, RNG states; plus the step, which fixes the data position)
+is written every ``save_every`` steps and on SIGTERM/SIGUSR1, after which the process exits with
+``EXIT_PREEMPTED`` and the stage stays incomplete. ``resume=auto`` continues from the latest
+checkpoint and reproduces the uninterrupted run's losses exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+from transformers import get_cosine_schedule_with_warmup
+
+from pipeline.config import ConfigError
+from pipeline.models.drafter import save_drafter
+from pipeline.models.vocab import VocabMap
+from pipeline.training.data import IGNORE, Collator, label_coverage
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed after SIGTERM/SIGUSR1; run the same command again to continue
+CHECKPOINTS = "checkpoints"
+STEP_FILE = "step.json"  # written last: a checkpoint without it is incomplete
+
+
+class Preempted(SystemExit):
+    def __init__(self, step: int):
+        super().__init__(EXIT_PREEMPTED)
+        self.step = step
+
+
+@dataclass
+class TrainResult:
+    accelerator: Accelerator
+    model: torch.nn.Module  # unwrapped
+    summary: dict
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    done = sorted((out_dir / CHECKPOINTS).glob(f"step-*/{STEP_FILE}"))
+    return done[-1].parent if done else None
+
+
+def save_checkpoint(accelerator: Accelerator, out_dir: Path, position: dict) -> None:
+    path = out_dir / CHECKPOINTS / f"step-{position['step']:08d}"
+    accelerator.save_state(str(path))  # every rank takes part (DeepSpeed shards)
+    if accelerator.is_main_process:
+        (path / STEP_FILE).write_text(json.dumps(position) + "\n")
+        for older in (out_dir / CHECKPOINTS).glob("step-*"):
+            if older != path:
+                shutil.rmtree(older)
+    accelerator.wait_for_everyone()
+
+
+@contextlib.contextmanager
+def preemption_signals():
+    """SIGTERM/SIGUSR1 (Slurm preemption) only set a flag: the loop checkpoints at the next step."""
+    received = []
+    handler = lambda signum, frame: received.append(signum)  # noqa: E731
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield received
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def train(
+    tc: DictConfig,
+    model: torch.nn.Module,
+    examples: list,
+    collate: Callable,
+    out_dir: Path,
+    log: Callable[[dict, int], None],
+    seed: int,
+) -> TrainResult:
+    accelerator = Accelerator(mixed_precision=tc.mixed_precision, gradient_accumulation_steps=tc.grad_accum)
+    world = accelerator.num_processes
+    if tc.batch_size % (tc.grad_accum * world):
+        raise ConfigError(
+            f"batch_size {tc.batch_size} is the global batch: it must be divisible by grad_accum x processes "
+            f"({tc.grad_accum} x {world})"
+        )
+    micro_batch = tc.batch_size // tc.grad_accum  # global, split across processes
+    local_batch = micro_batch // world
+    steps_per_epoch = len(examples) // tc.batch_size
+    if steps_per_epoch == 0:
+        raise ConfigError(f"{len(examples)} training examples do not fill one batch of {tc.batch_size}; lower batch_size")
+    total_steps = tc.max_steps or math.ceil(tc.epochs * steps_per_epoch)
+    tokens_per_step = tc.batch_size * tc.max_length
+    if tc.token_budget is not None:
+        total_steps = min(total_steps, max(1, tc.token_budget // tokens_per_step))
+
+    if accelerator.state.deepspeed_plugin is not None:  # DeepSpeed sizes its buffers by batch; it sees no DataLoader
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = local_batch
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    # Not prepared: accelerate would step a scheduler once per process; it steps once per optimizer step here.
+    scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(tc.warmup_ratio * total_steps), total_steps)
+    accelerator.register_for_checkpointing(scheduler)
+
+    step, tokens_before, last_loss = 0, 0, float("nan")
+    checkpoint = latest_checkpoint(out_dir) if tc.resume == "auto" else None
+    if checkpoint is not None:
+        accelerator.load_state(str(checkpoint))
+        position = json.loads((checkpoint / STEP_FILE).read_text())
+        step, tokens_before, last_loss = position["step"], position["tokens_seen"], position["loss"]
+        accelerator.print(f"resuming from {checkpoint} (step {step} of {total_steps})")
+
+    def batches(start_step: int):
+        """This process's micro-batches from ``start_step`` on, epoch after epoch."""
+        epoch, skip = divmod(start_step, steps_per_epoch)
+        while True:
+            order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch))
+            order = order[skip * tc.batch_size: steps_per_epoch * tc.batch_size].view(-1, world, local_batch)
+            mine = order[:, accelerator.process_index].flatten().tolist()
+            yield from DataLoader(examples, batch_size=local_batch, sampler=mine, collate_fn=collate)
+            epoch, skip = epoch + 1, 0
+
+    model.train()
+    window = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # since the last log: CE sum, labels, inputs
+    local_inputs = torch.zeros((), dtype=torch.float64, device=accelerator.device)  # this process, this run
+    started = time.time()
+    window_start, window_tokens = time.time(), 0
+    bar = tqdm(total=total_steps, initial=step, desc="training", unit="step", disable=not accelerator.is_main_process)
+    data = batches(step)
+    with preemption_signals() as received:
+        while step < total_steps:
+            grad_norm = None
+            for _ in range(tc.grad_accum):
+                batch = {k: v.to(accelerator.device) for k, v in next(data).items()}
+                with accelerator.accumulate(model):
+                    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                    labels = batch["labels"][:, 1:]
+                    ce_sum = F.cross_entropy(
+                        logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum"
+                    )
+                    label_tokens = (labels != IGNORE).sum()
+                    micro_tokens = accelerator.reduce(label_tokens, "sum").clamp(min=1)
+                    # DDP averages gradients over processes: scale so the result is the global token mean.
+                    accelerator.backward(ce_sum * world / micro_tokens)
+                    if accelerator.sync_gradients and tc.grad_clip:
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), tc.grad_clip)
+                    optimizer.step()  # a no-op until the last micro-batch (accelerate's accumulate)
+                    optimizer.zero_grad(set_to_none=True)
+                inputs = batch["attention_mask"].sum().double()
+                window += torch.stack([ce_sum.detach().double(), label_tokens.double(), inputs])
+                local_inputs += inputs
+            scheduler.step()
+            step += 1
+            bar.update(1)
+
+            stop = accelerator.reduce(torch.tensor(float(bool(received)), device=accelerator.device), "sum").item() > 0
+            checkpoint_now = stop or step % tc.save_every == 0 or step == total_steps
+            if checkpoint_now or step % tc.log_every == 0:
+                tokens_seen = tokens_before + int(accelerator.reduce(local_inputs, "sum").item())
+            if step % tc.log_every == 0 or step == total_steps or stop:
+                ce, labelled, inputs = accelerator.reduce(window, "sum").tolist()
+                window.zero_()
+                window_tokens += int(inputs)
+                now = time.time()
+                last_loss = ce / max(labelled, 1)
+                metrics = {
+                    "loss": last_loss,
+                    "lr": scheduler.get_last_lr()[0],
+                    "tokens_seen": tokens_seen,
+                    "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
+                }
+                if grad_norm is not None:
+                    metrics["grad_norm"] = float(grad_norm)
+                window_start, window_tokens = now, 0
+                bar.set_postfix(loss=f"{last_loss:.3f}")
+                if accelerator.is_main_process:
+                    log(metrics, step)
+            if checkpoint_now:
+                save_checkpoint(accelerator, out_dir, {"step": step, "tokens_seen": tokens_seen, "loss": last_loss})
+            if stop:
+                bar.close()
+                accelerator.print(f"preempted: checkpoint at step {step} saved; run the same command again to resume")
+                raise Preempted(step)
+    bar.close()
+    wall = time.time() - started
+    run_tokens = int(accelerator.reduce(local_inputs, "sum").item())
+    summary = {"steps": step, "tokens_seen": tokens_before + run_tokens, "final_loss": last_loss,
+               "train_time_s": round(wall, 1), "tokens_per_s": round(run_tokens / max(wall, 1e-9), 1)}
+    return TrainResult(accelerator, accelerator.unwrap_model(model), summary)
+
+
+def train_drafter(
+    tc: DictConfig, model, vocab: VocabMap | None, examples: list, tokenizer, target_path: str, out_dir: Path,
+    log: Callable[[dict, int], None], seed: int,
+) -> dict:
+    """Train, then write ``out_dir/drafter`` (contract 2); returns the counts for the manifest."""
+    result = train(tc, model, examples, Collator(tokenizer.pad_token_id, vocab), out_dir, log, seed)
+    state_dict = result.accelerator.get_state_dict(result.model)  # on every rank: DeepSpeed gathers the shards
+    if result.accelerator.is_main_process:
+        save_drafter(result.model, target_path, vocab, out_dir / "drafter", state_dict)
+    result.accelerator.wait_for_everyone()
+    return {
+        **result.summary,
+        "parameters": sum(p.numel() for p in result.model.parameters()),
+        "drafter_vocab": result.model.config.vocab_size,
+        "label_coverage": round(label_coverage(examples, vocab), 4),
+    }
