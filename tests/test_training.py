@@ -1,0 +1,152 @@
+"""The training loop and its data: packing, prompt masking, vocabulary mapping, resume after preemption."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pipeline.config import TrainConfig
+from pipeline.models.provision import load_tokenizer
+from pipeline.models.vocab import VocabMap
+from pipeline.training import loop
+from pipeline.training.data import IGNORE, Collator, pack, record_example
+from pipeline.training.launch import MetricsLog, read_metrics
+
+VOCAB = 32
+
+
+def tiny_model(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=64, pad_token_id=0)
+    return LlamaForCausalLM(config)
+
+
+def train_config(**overrides):
+    base = dict(lr=3e-2, warmup_ratio=0.0, batch_size=4, max_length=16, log_every=1, save_every=1000, max_steps=30)
+    return OmegaConf.merge(OmegaConf.structured(TrainConfig), base, overrides)
+
+
+def counting_examples(n: int = 32, length: int = 16) -> list[dict]:
+    """Sequences that count upwards from a random start: predictable after the first token."""
+    rng = np.random.default_rng(0)
+    examples = []
+    for _ in range(n):
+        ids = (rng.integers(1, VOCAB) + np.arange(length)) % (VOCAB - 1) + 1
+        labels = ids.copy()
+        examples.append({"input_ids": ids, "labels": labels})
+    return examples
+
+
+def run(tc, examples, out_dir, seed: int = 0, model=None, on_log=None) -> dict[int, dict]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = MetricsLog(out_dir / "metrics.jsonl")
+
+    def logger(metrics, step):
+        log(metrics, step)
+        if on_log:
+            on_log(step)
+
+    loop.train(tc, model or tiny_model(), examples, Collator(0, None), out_dir, logger, seed)
+    return read_metrics(out_dir)
+
+
+def test_loss_falls_on_a_tiny_corpus(tmp_path):
+    metrics = run(train_config(), counting_examples(), tmp_path)
+    losses = [metrics[s]["loss"] for s in sorted(metrics)]
+    assert len(losses) == 30
+    assert losses[-1] < 0.3 * losses[0], losses
+    assert metrics[30]["tokens_seen"] == 30 * 4 * 16 and metrics[30]["lr"] >= 0 and "grad_norm" in metrics[30]
+
+
+def test_interrupted_then_resumed_run_reproduces_the_losses_exactly(tmp_path):
+    tc = train_config(max_steps=12, grad_accum=2, save_every=5)
+    examples = counting_examples(n=20)  # 5 steps per epoch: the resume crosses an epoch boundary
+    uninterrupted = run(tc, examples, tmp_path / "a")
+
+    def preempt(step):
+        if step == 7:
+            os.kill(os.getpid(), signal.SIGTERM)  # a real signal, as Slurm sends it
+
+    with pytest.raises(loop.Preempted) as stopped:
+        run(tc, examples, tmp_path / "b", on_log=preempt)
+    # The signal arrived after step 7's stop check: the loop finishes step 8, checkpoints and stops.
+    assert stopped.value.code == loop.EXIT_PREEMPTED and stopped.value.step == 8
+    assert loop.latest_checkpoint(tmp_path / "b").name == "step-00000008"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone after training
+
+    resumed = run(tc, examples, tmp_path / "b", model=tiny_model(seed=1))  # the checkpoint's weights win
+    assert sorted(resumed) == list(range(1, 13))
+    assert [resumed[s]["loss"] for s in range(1, 13)] == [uninterrupted[s]["loss"] for s in range(1, 13)]
+    assert resumed[12]["tokens_seen"] == uninterrupted[12]["tokens_seen"]
+
+
+def test_loss_is_taken_on_labelled_tokens_only(tmp_path):
+    """With lr=0 the logged loss is the initial model's CE over the unmasked labels, nothing else."""
+    examples = counting_examples(n=4)
+    for example in examples:
+        example["labels"] = example["labels"].copy()
+        example["labels"][:10] = IGNORE  # a "prompt" of 10 tokens
+    model = tiny_model()
+    batch = Collator(0, None)(examples)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
+    targets = batch["labels"][:, 1:]
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+    everything = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["input_ids"][:, 1:].flatten())
+    metrics = run(train_config(lr=0.0, max_steps=1), examples, tmp_path, model=model)
+    assert metrics[1]["loss"] == pytest.approx(expected.item(), rel=1e-5)
+    assert abs(expected.item() - everything.item()) > 1e-3  # the mask matters for this data
+
+
+def test_pack_masks_each_documents_first_token():
+    tokens = np.array([5, 6, 7, 2, 8, 9, 2, 10, 11, 12, 2, 13], dtype=np.uint32)
+    starts = np.array([0, 4, 7, 11])
+    blocks = pack(tokens, starts, max_length=5)
+    assert len(blocks) == 2  # the tail (12, 2, 13 ...) that fills no block is dropped
+    assert blocks[0]["input_ids"].tolist() == [5, 6, 7, 2, 8]
+    assert blocks[0]["labels"].tolist() == [IGNORE, 6, 7, 2, IGNORE]
+    assert blocks[1]["labels"].tolist() == [9, 2, IGNORE, 11, 12]
+
+
+def test_collator_pads_without_labels_and_maps_a_reduced_vocabulary():
+    vocab = VocabMap(torch.tensor([0, 5, 6, 7]), target_vocab_size=20)
+    batch = Collator(pad_id=0, vocab=vocab)([
+        {"input_ids": [5, 6, 9, 7], "labels": [IGNORE, 6, 9, 7]},
+        {"input_ids": [6, 5], "labels": [IGNORE, 5]},
+    ])
+    assert batch["input_ids"].tolist() == [[1, 2, 4, 3], [2, 1, 0, 0]]  # 9 is off the map: unk (4)
+    assert batch["labels"].tolist() == [[IGNORE, 2, IGNORE, 3], [IGNORE, 1, IGNORE, IGNORE]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "finish_reason, stop_reason, ending",
+    [("stop", "\n", "\n"), ("stop", None, "<eos>"), ("length", None, "")],
+)
+def test_record_is_the_sequence_the_target_saw(smollm_path, finish_reason, stop_reason, ending):
+    tokenizer = load_tokenizer(smollm_path)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Translate German to English: Guten Morgen, wie geht es dir?"}],
+        add_generation_prompt=True, tokenize=False,
+    )
+    record = {"prompt": prompt, "response": "Good morning, how are you?",
+              "finish_reason": finish_reason, "stop_reason": stop_reason}
+    example = record_example(record, tokenizer, max_length=512)
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    n = len(prompt_ids)
+    assert example["input_ids"][:n] == prompt_ids and example["labels"][:n] == [IGNORE] * n
+    completion = example["input_ids"][n:]
+    assert example["labels"][n:] == completion
+    text = tokenizer.decode(completion)
+    expected_end = tokenizer.eos_token if ending == "<eos>" else ending
+    assert text == "Good morning, how are you?" + expected_end
+    truncated = record_example(record, tokenizer, max_length=8)
+    assert truncated["input_ids"] == example["input_ids"][-8:] and truncated["labels"] == example["labels"][-8:]
