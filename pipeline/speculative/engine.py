@@ -1,0 +1,262 @@
+"""The decoding loop: speculative decoding with KV caches, and target-only decoding through the same path.
+
+Every round the drafter proposes up to K tokens, the target scores the tokens it has not seen plus the
+drafts in ONE forward pass (K+1 logits), ``sampler.verify`` accepts a prefix and emits one more token,
+and both caches are cropped back to the accepted prefix. Target-only decoding is the same loop with no
+drafter (K=0), so speedups compare like with like. Batch size 1; the sampler itself is batched.
+
+All ids are target-vocabulary ids; a reduced-vocabulary drafter translates at its boundary (VocabMap).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from pipeline.models.provision import load_model, load_tokenizer
+from pipeline.models.vocab import VocabMap, check_tokenizers
+from pipeline.speculative.sampler import Sampling, probabilities, sample, verify, verify_greedy
+
+
+class CachedModel:
+    """A causal LM and its KV cache over a growing token sequence; ``length`` tokens are cached."""
+
+    def __init__(self, model, vocab_map: VocabMap | None = None):
+        self.model = model
+        self.vocab_map = vocab_map
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        # Sliding-window layers (Gemma 3) otherwise drop the states a rollback needs.
+        self.cache.activate_past_recording()
+        self.length = 0
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, keep: int) -> torch.Tensor:
+        """Feed (1, n) target ids; return the target-vocabulary logits (1, keep, V) of the last ``keep`` positions."""
+        ids = self.vocab_map.encode(tokens) if self.vocab_map is not None else tokens
+        logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=keep).logits
+        self.length += tokens.shape[1]
+        logits = logits.float()
+        return self.vocab_map.expand_logits(logits) if self.vocab_map is not None else logits
+
+    def feed(self, sequence: torch.Tensor, extra: torch.Tensor | None = None, keep: int = 1) -> torch.Tensor:
+        """Feed the part of ``sequence`` not cached yet (plus ``extra`` tokens); logits of the last ``keep``."""
+        pending = sequence[:, self.length:]
+        if extra is not None:
+            pending = torch.cat([pending, extra], dim=1)
+        return self.forward(pending, keep)
+
+    def rollback(self, length: int) -> None:
+        """Keep the first ``length`` cached tokens (transformers 5: a negative crop drops that many)."""
+        drop = max(self.length - length, 0)
+        self.cache.crop(-drop)  # crop(0) also trims sliding-window layers back to their window
+        self.length -= drop
+
+
+class ModelDrafter:
+    """Proposes K tokens autoregressively from a (possibly reduced-vocabulary) drafter model."""
+
+    def __init__(self, model, vocab_map: VocabMap | None = None):
+        self.lm = CachedModel(model, vocab_map)
+
+    def reset(self) -> None:
+        self.lm.reset()
+
+    def propose(self, sequence, k, sampling, generator):
+        """(draft_tokens (1, k), draft_probs (1, k, V) or None when greedy)."""
+        tokens, probs = [], []
+        logits = self.lm.feed(sequence)[:, -1]
+        for i in range(k):
+            if sampling.greedy:
+                token = logits.argmax(-1)
+            else:
+                probs.append(probabilities(logits, sampling))
+                token = sample(probs[-1], generator)
+            tokens.append(token)
+            if i < k - 1:
+                logits = self.lm.forward(token[:, None], keep=1)[:, -1]
+        draft_probs = torch.stack(probs, dim=1) if probs else None
+        return torch.stack(tokens, dim=1), draft_probs
+
+    def rollback(self, length: int) -> None:
+        self.lm.rollback(length)
+
+
+class PromptLookupDrafter:
+    """Prompt-lookup decoding (Saxena 2023): copy the continuation of the latest earlier occurrence of the
+    context's last n-gram (n = max_ngram..1). No model; its proposal is deterministic (one-hot)."""
+
+    def __init__(self, vocab_size: int, max_ngram: int = 3):
+        self.vocab_size = vocab_size
+        self.max_ngram = max_ngram
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, sequence, k, sampling, generator):
+        ids = sequence[0].tolist()
+        draft: list[int] = []
+        for n in range(min(self.max_ngram, len(ids) - 1), 0, -1):
+            tail = ids[-n:]
+            for start in range(len(ids) - n - 1, -1, -1):
+                if ids[start : start + n] == tail:
+                    draft = ids[start + n : start + n + k]
+                    break
+            if draft:
+                break
+        tokens = torch.tensor([draft], dtype=torch.long)
+        if sampling.greedy:
+            return tokens, None
+        return tokens, torch.nn.functional.one_hot(tokens, self.vocab_size).float()
+
+    def rollback(self, length: int) -> None:
+        pass
+
+
+class StopCondition:
+    """Generation ends at an EOS id, at a stop string (e.g. "\\n" for completion prompts) or at max_new_tokens."""
+
+    def __init__(self, tokenizer, stop_strings=(), eos_token_ids=()):
+        self.tokenizer = tokenizer
+        self.stop_strings = [s for s in stop_strings if s]
+        self.eos_token_ids = set(eos_token_ids)
+
+    def first_stop(self, generated: list[int], start: int) -> int | None:
+        """The number of tokens to keep when a stop occurs among ``generated[start:]``, else None."""
+        for i in range(start, len(generated)):
+            if generated[i] in self.eos_token_ids:
+                return i + 1
+        if self.stop_strings and self._has_stop(generated):
+            for end in range(max(start, 1), len(generated) + 1):
+                if self._has_stop(generated[:end]):
+                    return end
+        return None
+
+    def _has_stop(self, tokens: list[int]) -> bool:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return any(s in text for s in self.stop_strings)
+
+    def text(self, generated: list[int]) -> str:
+        """The response text, the stop string excluded."""
+        text = self.tokenizer.decode(generated, skip_special_tokens=True)
+        cut = min((text.find(s) for s in self.stop_strings if s in text), default=len(text))
+        return text[:cut]
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # generated ids (EOS / stop-completing token included)
+    finish_reason: str  # stop | length
+    target_calls: int = 0
+    drafted: list[int] = field(default_factory=list)  # tokens drafted per round
+    accepted: list[int] = field(default_factory=list)  # drafted tokens accepted per round
+    seconds: float = 0.0
+
+
+def generate(
+    target: CachedModel,
+    prompt_ids: torch.Tensor,  # (1, L)
+    max_new_tokens: int,
+    stop: StopCondition,
+    sampling: Sampling = Sampling(),
+    drafter: ModelDrafter | PromptLookupDrafter | None = None,
+    k: int = 0,
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """Speculative decoding with ``drafter`` and K, or target-only decoding without one."""
+    started = time.perf_counter()
+    target.reset()
+    if drafter is not None:
+        drafter.reset()
+    sequence = prompt_ids
+    prompt_len = prompt_ids.shape[1]
+    result = Generation(tokens=[], finish_reason="length")
+    while len(result.tokens) < max_new_tokens:
+        # Never draft past max_new_tokens: the round's bonus token is the last one allowed.
+        k_round = min(k, max_new_tokens - len(result.tokens) - 1) if drafter is not None else 0
+        if k_round > 0:
+            drafts, draft_probs = drafter.propose(sequence, k_round, sampling, generator)
+        else:
+            drafts, draft_probs = sequence.new_zeros((1, 0)), None
+        target_logits = target.feed(sequence, drafts, keep=drafts.shape[1] + 1)
+        if sampling.greedy:
+            num_accepted, next_token = verify_greedy(drafts, target_logits)
+        else:
+            if draft_probs is None:
+                draft_probs = target_logits.new_zeros((1, 0, target_logits.shape[-1]))
+            num_accepted, next_token = verify(drafts, draft_probs, probabilities(target_logits, sampling), generator)
+        n = int(num_accepted[0])
+        new = torch.cat([drafts[:, :n], next_token[:, None]], dim=1)
+        target.rollback(sequence.shape[1] + n)
+        if drafter is not None:
+            drafter.rollback(sequence.shape[1] + n)
+        sequence = torch.cat([sequence, new], dim=1)
+        result.target_calls += 1
+        if drafter is not None:
+            result.drafted.append(drafts.shape[1])
+            result.accepted.append(n)
+        start = len(result.tokens)
+        result.tokens = sequence[0, prompt_len:].tolist()
+        end = stop.first_stop(result.tokens, start)
+        if end is not None:
+            result.tokens, result.finish_reason = result.tokens[:end], "stop"
+            break
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+@dataclass
+class Drafter:
+    """A drafter folder loaded for decoding."""
+
+    model: object
+    vocab_map: VocabMap | None
+    path: str
+
+    @property
+    def full_vocab(self) -> bool:
+        return self.vocab_map is None
+
+
+def load_drafter(path: str | Path, target_tokenizer) -> Drafter:
+    """Load a drafter folder (contract: HF weights + the target's tokenizer + optional vocab_map.json).
+    Refuses a drafter whose tokenizer is not the target's before loading any weights."""
+    path = str(path)
+    if not (Path(path) / "config.json").exists():
+        raise FileNotFoundError(f"{path} is not a drafter folder (no config.json); set eval.drafter_path to one")
+    check_tokenizers(load_tokenizer(path), target_tokenizer, drafter_name=f"drafter {path}")
+    return Drafter(model=load_model(path), vocab_map=VocabMap.load(path), path=path)
+
+
+def time_forward(lm: CachedModel, prompt_ids: torch.Tensor, n_tokens: int, repetitions: int) -> float:
+    """Median seconds of one forward over ``n_tokens`` new tokens after the prompt (cache rolled back each time)."""
+    lm.reset()
+    lm.forward(prompt_ids, keep=1)
+    tokens = prompt_ids[:, -n_tokens:] if prompt_ids.shape[1] >= n_tokens else prompt_ids[:, :1].repeat(1, n_tokens)
+    times = []
+    for _ in range(repetitions):
+        started = time.perf_counter()
+        lm.forward(tokens, keep=n_tokens)
+        lm.rollback(prompt_ids.shape[1])
+        times.append(time.perf_counter() - started)
+    return float(torch.tensor(times).median())
+
+
+def step_costs(target: CachedModel, drafter: CachedModel, prompt_ids: torch.Tensor, ks: list[int], repetitions: int = 20):
+    """The formula's costs on this machine: c = drafter step / target step, v(K) = target verify(K+1) / target step."""
+    target_step = time_forward(target, prompt_ids, 1, repetitions)
+    drafter_step = time_forward(drafter, prompt_ids, 1, repetitions)
+    verify_cost = {k: time_forward(target, prompt_ids, k + 1, repetitions) / target_step for k in ks}
+    return {"target_step_s": target_step, "drafter_step_s": drafter_step, "c": drafter_step / target_step, "v": verify_cost}
+
+
+def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
+    """Leviathan et al.'s expected speedup (1 − α^(K+1)) / ((1 − α)(K·c + v)); its limit (K+1)/(Kc+v) at α=1."""
+    expected_tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return expected_tokens / (k * c + v)

@@ -1,0 +1,159 @@
+"""The decoding loop on tiny random models: KV rollback, greedy exactness, drafter == target, reduced vocab."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Gemma3TextConfig, Gemma3ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from pipeline.models.vocab import VocabMap
+from pipeline.speculative.engine import (
+    CachedModel,
+    ModelDrafter,
+    PromptLookupDrafter,
+    StopCondition,
+    generate,
+    predicted_speedup,
+)
+from pipeline.speculative.sampler import Sampling
+
+VOCAB = 64
+NO_STOP = StopCondition(tokenizer=None)
+
+
+def llama(seed: int, vocab: int = VOCAB, hidden: int = 32):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval()
+
+
+def gemma(seed: int):
+    """Gemma 3 layout (sliding-window layers beside full ones) with a window far shorter than the sequences."""
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=6,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                              max_position_embeddings=256)
+    return Gemma3ForCausalLM(config).eval()
+
+
+def full_greedy(model, prompt: torch.Tensor, steps: int) -> list[int]:
+    """Reference greedy decoding by full recomputation, no cache."""
+    sequence = prompt
+    with torch.inference_mode():
+        for _ in range(steps):
+            token = model(input_ids=sequence).logits[:, -1].argmax(-1, keepdim=True)
+            sequence = torch.cat([sequence, token], dim=1)
+    return sequence[0, prompt.shape[1]:].tolist()
+
+
+PROMPT = torch.tensor([[1, 5, 9, 13, 5, 9, 22, 3]])
+
+
+@pytest.mark.parametrize("make", [llama, gemma])
+def test_kv_rollback_equals_full_recomputation(make):
+    model = make(0)
+    lm = CachedModel(model)
+    g = torch.Generator().manual_seed(0)
+    sequence = PROMPT
+    lm.feed(sequence)
+    for _ in range(8):  # grows well past the 6-token sliding window
+        tokens = torch.randint(0, VOCAB, (1, 4), generator=g)
+        lm.feed(sequence, tokens, keep=4)
+        kept = int(torch.randint(0, 5, (1,), generator=g))
+        lm.rollback(sequence.shape[1] + kept)
+        sequence = torch.cat([sequence, tokens[:, :kept], torch.randint(0, VOCAB, (1, 1), generator=g)], dim=1)
+        cached = lm.feed(sequence, keep=1)[:, -1]
+        with torch.inference_mode():
+            full = model(input_ids=sequence).logits[:, -1]
+        assert torch.allclose(cached, full, atol=1e-5), (sequence.shape, (cached - full).abs().max())
+        lm.rollback(sequence.shape[1] - 1)  # the last token is fed again next round
+
+
+@pytest.mark.parametrize("make", [llama, gemma])
+def test_greedy_is_token_exact(make):
+    target = CachedModel(make(0))
+    steps = 30
+    reference = full_greedy(target.model, PROMPT, steps)
+    plain = generate(target, PROMPT, steps, NO_STOP)
+    assert plain.tokens == reference and plain.target_calls == steps
+    for drafter in (ModelDrafter(make(1)), PromptLookupDrafter(VOCAB)):
+        for k in (1, 3, 5):
+            out = generate(target, PROMPT, steps, NO_STOP, drafter=drafter, k=k)
+            assert out.tokens == reference, (type(drafter).__name__, k)
+            assert sum(out.accepted) + out.target_calls == len(out.tokens)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafter_equal_to_target_accepts_everything(temperature):
+    model = llama(0)
+    k, rounds = 4, 6
+    out = generate(CachedModel(model), PROMPT, rounds * (k + 1), NO_STOP, Sampling(temperature),
+                   drafter=ModelDrafter(model), k=k, generator=torch.Generator().manual_seed(0))
+    assert sum(out.accepted) / sum(out.drafted) == 1.0  # alpha
+    assert len(out.tokens) / out.target_calls == k + 1  # tau
+
+
+def reduced_copy(model, vocab_map: VocabMap):
+    """The model restricted to the mapped ids: a reduced-vocabulary drafter that agrees with its target often."""
+    config = model.config.__class__(**{**model.config.to_dict(), "vocab_size": vocab_map.drafter_vocab_size})
+    drafter = model.__class__(config).eval()
+    state = model.state_dict()
+    rows = torch.cat([vocab_map.target_ids, vocab_map.target_ids[:1]])  # the unk row: any row
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        state[name] = state[name][rows]
+    drafter.load_state_dict(state)
+    return drafter
+
+
+@pytest.mark.parametrize("make", [llama, gemma])
+def test_reduced_vocab_drafter_greedy_exact(make):
+    target = CachedModel(make(0))
+    reference = full_greedy(target.model, PROMPT, 30)
+    vocab_map = VocabMap(torch.tensor(sorted(set(reference[::2]) | set(range(0, VOCAB, 4)))), VOCAB)
+    drafter = ModelDrafter(reduced_copy(target.model, vocab_map), vocab_map)
+    for k in (2, 4):
+        out = generate(target, PROMPT, 30, NO_STOP, drafter=drafter, k=k)
+        assert out.tokens == reference
+        assert 0 < sum(out.accepted) < sum(out.drafted)  # it proposes tokens the target accepts, and some it rejects
+
+
+def test_reduced_vocab_drafter_sampling_is_target_distribution():
+    """First two emitted tokens at T=1 over many seeds, against the target's exact two-token distribution."""
+    vocab = 8
+    target_model = llama(0, vocab=vocab, hidden=16)
+    vocab_map = VocabMap(torch.tensor([0, 2, 3, 6]), vocab)
+    drafter = ModelDrafter(llama(1, vocab=vocab_map.drafter_vocab_size, hidden=16), vocab_map)
+    prompt = torch.tensor([[1, 2, 3]])
+    with torch.inference_mode():
+        first = torch.softmax(target_model(input_ids=prompt).logits[0, -1], -1)
+        second = torch.softmax(target_model(input_ids=torch.cat([prompt.repeat(vocab, 1), torch.arange(vocab)[:, None]], 1)).logits[:, -1], -1)
+    expected = (first[:, None] * second).flatten().double()
+    target = CachedModel(target_model)
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for _ in range(4000):
+        out = generate(target, prompt, 2, NO_STOP, Sampling(1.0), drafter=drafter, k=2, generator=g)
+        samples.append(out.tokens[0] * vocab + out.tokens[1])
+    counts = torch.bincount(torch.tensor(samples), minlength=vocab * vocab).double()
+    tv = float((counts / counts.sum() - expected).abs().sum() / 2)
+    assert tv < 0.06, tv  # 64 cells, 4000 samples: sampling noise alone gives TV ~ 0.03-0.04
+
+
+def test_stop_strings_and_eos_truncate(smollm_path):
+    from pipeline.models.provision import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm_path)
+    stop = StopCondition(tokenizer, stop_strings=["\n"], eos_token_ids=[tokenizer.eos_token_id])
+    ids = tokenizer.encode("Hello world.\nNext line")
+    end = stop.first_stop(ids, 0)
+    assert tokenizer.decode(ids[:end]).endswith("\n") and "\n" not in tokenizer.decode(ids[: end - 1])
+    assert stop.text(ids) == "Hello world."
+    assert stop.first_stop(ids[:2] + [tokenizer.eos_token_id] + ids[2:], 0) == 3
+
+
+def test_predicted_speedup_formula():
+    assert predicted_speedup(1.0, 4, 0.0, 1.0) == 5.0
+    assert abs(predicted_speedup(0.5, 1, 0.1, 1.0) - 1.5 / 1.1) < 1e-12
+    assert abs(predicted_speedup(0.0, 3, 0.1, 1.0) - 1 / 1.3) < 1e-12
