@@ -16,12 +16,14 @@ from pipeline.config import ConfigError, compose_config
 from pipeline.models.provision import ModelNotFoundError, model_path
 from pipeline.models.vocab import TokenizerMismatchError
 from pipeline.rundir import STAGES, StageConflictError, StageInputError, stage_dir
+from pipeline.serving.server import ServingError
 from pipeline.tracking import stage_tracker
 
 COMMANDS = (*STAGES, "config", "prepare")
 # Issue that implements each stage, for the message a not-yet-implemented stage gives.
 STAGE_ISSUES = {"distill": 4, "pretrain": 5, "finetune": 5, "eval": 3}
-USER_ERRORS = (ConfigError, StageInputError, StageConflictError, ModelNotFoundError, FileNotFoundError, TokenizerMismatchError)
+USER_ERRORS = (ConfigError, StageInputError, StageConflictError, ModelNotFoundError, FileNotFoundError, TokenizerMismatchError,
+               ServingError)
 
 
 def stage_module(stage: str):

@@ -145,9 +145,11 @@ class DataConfig:
 @dataclass
 class ServerConfig:
     url: Optional[str] = None  # an external OpenAI-compatible endpoint; None: start vLLM here
-    api_key: Optional[str] = None
+    api_key: Optional[str] = None  # for an external endpoint; None: $OPENAI_API_KEY
     startup_timeout_s: float = 600.0
     dtype: str = "auto"
+    port: Optional[int] = None  # preferred port of the local server; None (or taken): a free one
+    cpu_kvcache_gb: int = 2  # VLLM_CPU_KVCACHE_SPACE of the CPU build
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -364,7 +366,7 @@ def sections(cfg: DictConfig, keys: list[str]) -> dict[str, Any]:
     out = {}
     for key in keys:
         node = OmegaConf.select(cfg, key)
-        out[key] = OmegaConf.to_container(node, resolve=True, enum_to_str=True) if isinstance(node, DictConfig) else node
+        out[key] = OmegaConf.to_container(node, resolve=True, enum_to_str=True) if OmegaConf.is_config(node) else node
     return out
 
 

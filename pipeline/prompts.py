@@ -19,12 +19,17 @@ def instruction(target: DictConfig, lang: DictConfig, text: str) -> str:
 
 def build_prompt(target: DictConfig, lang: DictConfig, text: str, tokenizer) -> str:
     """The full prompt string (BOS excluded: the tokenizer adds it)."""
-    request = instruction(target, lang, text)
     if target.prompt_format == PromptFormat.completion:
-        return request + target.completion_suffix.format(src_name=lang.src_name, tgt_name=lang.tgt_name)
-    messages = [{"role": "user", "content": request}]
+        suffix = target.completion_suffix.format(src_name=lang.src_name, tgt_name=lang.tgt_name)
+        return instruction(target, lang, text) + suffix
+    return tokenizer.apply_chat_template(
+        chat_messages(target, lang, text), chat_template=target.chat_template, add_generation_prompt=True, tokenize=False
+    )
+
+
+def chat_messages(target: DictConfig, lang: DictConfig, text: str) -> list[dict[str, str]]:
+    """The request as chat messages (what a chat API receives; build_prompt renders them)."""
+    messages = [{"role": "user", "content": instruction(target, lang, text)}]
     if target.system_prompt:
         messages.insert(0, {"role": "system", "content": target.system_prompt})
-    return tokenizer.apply_chat_template(
-        messages, chat_template=target.chat_template, add_generation_prompt=True, tokenize=False
-    )
+    return messages

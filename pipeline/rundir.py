@@ -36,7 +36,9 @@ MANIFEST = "manifest.json"
 
 # The config sections each stage's output depends on (besides its inputs).
 STAGE_SECTIONS = {
-    "distill": ["target", "lang", "data", "distill"],
+    # Not the endpoint, concurrency or timeouts: a rerun through another server resumes the same records.
+    "distill": ["target", "lang", "data", "distill.temperatures", "distill.samples_per_prompt", "distill.max_tokens",
+                "distill.top_logprobs", "distill.seed", "distill.server.dtype"],
     "pretrain": ["target", "drafter", "data", "train.pretrain", "seed"],
     "finetune": ["target", "drafter", "lang", "train.finetune", "seed"],
     "eval": ["target", "drafter", "lang", "eval"],

@@ -1,0 +1,1 @@
+"""Serving the target for the pipeline: vLLM's OpenAI-compatible server (``server``) and the client (``client``)."""

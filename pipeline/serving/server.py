@@ -1,0 +1,204 @@
+"""vLLM's OpenAI-compatible server as a child process of the stage.
+
+The server binds 127.0.0.1 on a free port behind a random API key and logs into the stage directory.
+It runs in its own process group (vLLM spawns an engine-core and a worker process), which is
+terminated on every way out: normal exit, exception, SIGINT and SIGTERM (Slurm preemption). If the
+stage itself is killed with SIGKILL, the kernel kills the server too (PR_SET_PDEATHSIG) and vLLM's
+engine processes follow their parent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.models.provision import ModelNotFoundError
+
+LOG_FILE = "vllm.log"
+INFO_FILE = "server.json"  # pid, process group and port of the running server (no secrets)
+PORT_ATTEMPTS = 3
+STOP_GRACE_S = 20.0
+
+
+class ServingError(RuntimeError):
+    """The inference server could not start or stopped answering; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    url: str  # OpenAI base url, ending in /v1
+    api_key: str
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def check_model_folder(model: str) -> None:
+    """Fail before launching vLLM (a minute of start-up) when a local model folder cannot be loaded."""
+    path = Path(model)
+    looks_local = path.is_absolute() or model.startswith(".") or path.exists()
+    if looks_local and not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"{model} is not a model folder (no config.json); point target.path at an HF folder")
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGKILL it when the stage process dies, even by SIGKILL."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _raise_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+class VLLMServer:
+    """``with VLLMServer(...) as server:`` -> ``server.endpoint``; the server is gone after the block."""
+
+    def __init__(self, model: str, served_name: str, log_dir: Path, cache_dir: Path, *, dtype: str = "auto",
+                 max_model_len: int = 2048, port: int | None = None, cpu_kvcache_gb: int = 2,
+                 extra_args: list[str] = (), startup_timeout_s: float = 600.0):
+        self.model, self.served_name = model, served_name
+        self.log_dir, self.cache_dir = Path(log_dir), Path(cache_dir)
+        self.dtype, self.max_model_len, self.preferred_port = dtype, max_model_len, port
+        self.cpu_kvcache_gb, self.extra_args, self.startup_timeout_s = cpu_kvcache_gb, list(extra_args), startup_timeout_s
+        self.api_key = secrets.token_urlsafe(24)
+        self.process: subprocess.Popen | None = None
+        self.port: int | None = None
+        self._previous_sigterm = None
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / LOG_FILE
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return Endpoint(url=f"http://127.0.0.1:{self.port}/v1", api_key=self.api_key)
+
+    def exit_code(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def __enter__(self) -> "VLLMServer":
+        self._previous_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+        try:
+            self.start()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+
+    def start(self) -> None:
+        check_model_folder(self.model)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        port = self.preferred_port or free_port()
+        for _ in range(PORT_ATTEMPTS):
+            self._launch(port)
+            if self._wait_healthy():
+                return
+            # Another process took the port between our choice and vLLM's bind: take another one.
+            port = free_port()
+        raise ServingError(f"vLLM found no free port in {PORT_ATTEMPTS} attempts; see {self.log_path}")
+
+    def _launch(self, port: int) -> None:
+        self.port = port
+        command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model, "--served-model-name", self.served_name,
+            "--host", "127.0.0.1", "--port", str(port), "--api-key", self.api_key,
+            "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
+            "--enforce-eager",  # healthy in under a minute on CPU instead of ~2, with the same throughput
+            *self.extra_args,
+        ]
+        env = dict(
+            os.environ,
+            VLLM_CPU_KVCACHE_SPACE=str(self.cpu_kvcache_gb),
+            VLLM_CPU_NUM_OF_RESERVED_CPU="0",  # else vLLM keeps one core for itself: one compute thread on 2 cores
+            VLLM_CACHE_ROOT=str(self.cache_dir),
+            VLLM_NO_USAGE_STATS="1",
+            HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1" if Path(self.model).exists() else "0"),
+        )
+        with self.log_path.open("a") as log:
+            log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} starting vLLM on port {port}\n")
+            log.flush()
+            self.process = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True, preexec_fn=_die_with_parent,
+            )
+        info = {"pid": self.process.pid, "pgid": self.process.pid, "port": port, "model": self.model}
+        (self.log_dir / INFO_FILE).write_text(json.dumps(info) + "\n")
+
+    def _wait_healthy(self) -> bool:
+        """True once GET /health answers; False when vLLM could not bind its port; raises on other deaths."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/health",
+                                         headers={"Authorization": f"Bearer {self.api_key}"})
+        while time.monotonic() < deadline:
+            code = self.exit_code()
+            if code is not None:
+                tail = self.log_tail()
+                if any("Address already in use" in line for line in tail):
+                    return False
+                errors = [line for line in tail if "Error" in line] or tail or ["(empty log)"]
+                raise ServingError(f"vLLM exited with code {code} during start-up: {errors[-1].strip()} "
+                                   f"(full log: {self.log_path})")
+            try:
+                with urllib.request.urlopen(request, timeout=5) as response:
+                    if response.status == 200:
+                        return True
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise ServingError(f"vLLM was not healthy after {self.startup_timeout_s:.0f}s (distill.server.startup_timeout_s); "
+                           f"see {self.log_path}")
+
+    def log_tail(self, lines: int = 20) -> list[str]:
+        if not self.log_path.exists():
+            return []
+        with self.log_path.open(errors="replace") as handle:
+            return list(deque(handle, maxlen=lines))
+
+    def stop(self) -> None:
+        """SIGTERM the whole process group, SIGKILL what is left after a grace period."""
+        if self.process is None:
+            return
+        group = self.process.pid
+        for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(group, sig)
+            except ProcessLookupError:
+                break  # the group is empty: leader and engine processes are all gone
+            try:
+                self.process.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+            if not _group_alive(group):
+                break
+        self.process = None
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+        return True
+    except ProcessLookupError:
+        return False
