@@ -173,15 +173,15 @@ class TrainConfig:
     warmup_ratio: float = 0.03
     epochs: float = 1.0
     max_steps: Optional[int] = None
-    token_budget: Optional[int] = None
-    batch_size: int = 8
+    token_budget: Optional[int] = None  # caps the steps at token_budget / (batch_size * max_length)
+    batch_size: int = 8  # sequences per optimizer step over ALL processes: split into grad_accum x num_processes
     grad_accum: int = 1
     max_length: int = 512
     grad_clip: float = 1.0
     mixed_precision: str = "no"  # no | bf16 (accelerate's names)
     log_every: int = 10
     save_every: int = 200
-    resume: str = "auto"  # auto | never
+    resume: str = "auto"  # auto: continue from the stage's latest checkpoint | never
     launch: str = "single"  # recipes/launch/<launch>.yaml
     num_processes: int = 1
 
@@ -350,6 +350,11 @@ def validate(cfg: DictConfig) -> None:
         tc = cfg.train[name]
         if not 0 <= tc.warmup_ratio < 1:
             problems.append(f"train.{name}.warmup_ratio must be in [0, 1)")
+        if tc.batch_size % (tc.grad_accum * tc.num_processes):
+            problems.append(f"train.{name}.batch_size {tc.batch_size} (global) must be divisible by "
+                            f"grad_accum x num_processes = {tc.grad_accum * tc.num_processes}")
+        if tc.resume not in ("auto", "never"):
+            problems.append(f"train.{name}.resume must be auto or never")
         if tc.mixed_precision not in ("no", "bf16", "fp16"):
             problems.append(f"train.{name}.mixed_precision must be one of no, bf16, fp16")
         if not (RECIPES_DIR / "launch" / f"{tc.launch}.yaml").exists():
