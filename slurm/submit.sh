@@ -72,7 +72,7 @@ print(int(cfgs[0].train.finetune.mode == FinetuneMode.pretrain_finetune))
 ' "$recipe" "$langs" "${overrides[@]}")
 
 mkdir -p "$log_dir"
-common=(--parsable --chdir="$root" --export="ALL,LANG_PAIRS=$langs")
+common=(--parsable --open-mode=append --chdir="$root" --export="ALL,LANG_PAIRS=$langs")
 [[ -n $partition ]] && common+=(--partition="$partition")
 [[ -n $cpus ]] && common+=(--cpus-per-task="$cpus")
 [[ -n $time_limit ]] && common+=(--time="$time_limit")
