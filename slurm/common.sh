@@ -38,9 +38,9 @@ run_requeueable() {
 }
 
 # run_training STAGE OVERRIDES...: pretrain or finetune on every node of the allocation.
-# One node: the stage itself (it launches its own processes for train.<stage>.num_processes > 1).
-# Several nodes: srun starts one `accelerate launch` per node; the single quotes make each node's task
-# expand ITS OWN SLURM_NODEID, while the rendezvous address is the allocation's first node.
+# One node: the stage itself (it starts `accelerate launch` for train.<stage>.num_processes > 1).
+# Several nodes: srun runs slurm/train-node.sh once per node, each expanding its own SLURM_NODEID;
+# the rendezvous address is the allocation's first node's.
 run_training() {
     local stage=$1
     shift
@@ -48,13 +48,12 @@ run_training() {
         run_requeueable "$PY" -m pipeline "$stage" "$@" "lang=$LANG_PAIR"
         return
     fi
-    MAIN_PROCESS_IP=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+    local head
+    head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+    # The node's address as Slurm reaches it (NodeAddr: the node name itself unless the cluster says otherwise).
+    MAIN_PROCESS_IP=$(scontrol show node "$head" | grep -oP 'NodeAddr=\K\S+')
     MAIN_PROCESS_PORT=${MAIN_PROCESS_PORT:-29500}
-    export MAIN_PROCESS_IP MAIN_PROCESS_PORT PY
-    run_requeueable srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c '
-        exec "$PY" -m accelerate.commands.launch --config_file "recipes/launch/$LAUNCH.yaml" \
-            --num_machines "$SLURM_NNODES" --machine_rank "$SLURM_NODEID" \
-            --main_process_ip "$MAIN_PROCESS_IP" --main_process_port "$MAIN_PROCESS_PORT" \
-            --num_processes "$((SLURM_NNODES * PROCESSES_PER_NODE))" -m pipeline "$@"' \
-        train "$stage" "$@" "lang=$LANG_PAIR"
+    export PY MAIN_PROCESS_IP MAIN_PROCESS_PORT
+    run_requeueable srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \
+        slurm/train-node.sh "$stage" "$@" "lang=$LANG_PAIR"
 }

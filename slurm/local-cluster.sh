@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # A real one-node Slurm cluster on this machine, for tests, CI and trying slurm/ out:
 #
-#   slurm/local-cluster.sh up DIR      # start munged, slurmctld and slurmd; conf, state and logs under DIR
-#   export SLURM_CONF=DIR/slurm.conf  # what clients (sbatch, squeue, scontrol) need
-#   slurm/local-cluster.sh down DIR    # cancel its jobs and stop its daemons
+#   slurm/local-cluster.sh up DIR [NODES]   # start munged, slurmctld and NODES slurmd (default 1);
+#                                           # conf, state and logs under DIR
+#   export SLURM_CONF=DIR/slurm.conf       # what clients (sbatch, squeue, scontrol) need
+#   slurm/local-cluster.sh down DIR         # cancel its jobs and stop its daemons
+#
+# NODES > 1 emulates a multi-node cluster on this one host (one slurmd per node, each on its own port,
+# each offering the host's CPUs): enough to run multi-node jobs (srun, accelerate rendezvous) for real,
+# not to add compute.
 #
 # Needs root and Debian's `munge slurmctld slurmd slurm-client` (see .ci/run). Works without systemd or
 # cgroups: processes are tracked through /proc, nothing is bound or accounted. Every daemon runs detached
@@ -11,10 +16,13 @@
 # Ports: SLURMCTLD_PORT (6817) and SLURMD_PORT (6818).
 set -euo pipefail
 
-usage() { echo "usage: $0 up|down DIR" >&2; exit 2; }
-[[ $# -eq 2 ]] || usage
+usage() { echo "usage: $0 up DIR [NODES] | down DIR" >&2; exit 2; }
+[[ $# -ge 2 && $# -le 3 ]] || usage
 action=$1
 dir=$(mkdir -p "$2" && cd "$2" && pwd)
+nodes=${3:-1}
+[[ $nodes =~ ^[1-9][0-9]*$ ]] || usage
+slurmd_port=${SLURMD_PORT:-6818}
 conf=$dir/slurm.conf
 export SLURM_CONF=$conf
 
@@ -42,27 +50,27 @@ stop_pid() {  # stop_pid PIDFILE: TERM the daemon that wrote PIDFILE and wait fo
 }
 
 write_conf() {
-    local host node
+    local host hardware i
     host=$(hostname -s)
-    # The node's real CPUs, sockets and memory, renamed to the host name slurmd will report.
-    node=$(slurmd -C | head -n 1 | sed "s/^NodeName=[^ ]*/NodeName=$host NodeAddr=127.0.0.1/")
+    # This host's real CPUs, sockets and memory, for every node.
+    hardware=$(slurmd -C | head -n 1 | sed "s/^NodeName=[^ ]* //")
     cat >"$conf" <<EOF
 # Written by slurm/local-cluster.sh: a one-node cluster for tests.
 ClusterName=specdraft-local
 SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=${SLURMCTLD_PORT:-6817}
-SlurmdPort=${SLURMD_PORT:-6818}
+SlurmdPort=$slurmd_port
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket=$dir/munge-socket/munge.socket
 StateSaveLocation=$dir/state
-SlurmdSpoolDir=$dir/spool
+SlurmdSpoolDir=$dir/spool/%n
 SlurmctldPidFile=$dir/run/slurmctld.pid
-SlurmdPidFile=$dir/run/slurmd.pid
+SlurmdPidFile=$dir/run/slurmd-%n.pid
 SlurmctldLogFile=$dir/log/slurmctld.log
-SlurmdLogFile=$dir/log/slurmd.log
+SlurmdLogFile=$dir/log/slurmd-%n.log
 # No systemd, no cgroups: track job processes through /proc; no binding, no accounting daemon.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -84,9 +92,11 @@ MinJobAge=3600
 ReturnToService=2
 MpiDefault=none
 MailProg=/bin/true
-$node State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
+    for i in $(seq "$nodes"); do
+        echo "NodeName=node$i NodeHostname=$host NodeAddr=127.0.0.1 Port=$((slurmd_port + i - 1)) $hardware State=UNKNOWN"
+    done >>"$conf"
 }
 
 up() {
@@ -106,8 +116,10 @@ up() {
     # -c: a fresh cluster; both daemons fork into the background themselves.
     setsid slurmctld -c -f "$conf" </dev/null >>"$dir/log/slurmctld.stdio.log" 2>&1
     wait_for 30 slurmctld scontrol ping
-    setsid slurmd -f "$conf" </dev/null >>"$dir/log/slurmd.stdio.log" 2>&1
-    wait_for 60 "the node" bash -c "sinfo -h -N -o %t | grep -qE '^(idle|mix|alloc)'"
+    for i in $(seq "$nodes"); do
+        setsid slurmd -N "node$i" -f "$conf" </dev/null >>"$dir/log/slurmd-node$i.stdio.log" 2>&1
+    done
+    wait_for 60 "every node" bash -c "[[ \$(sinfo -h -N -t idle -o %N | wc -l) -eq $nodes ]]"
     echo "export SLURM_CONF=$conf"
 }
 
@@ -118,7 +130,7 @@ down() {
         # Jobs get SIGTERM, then SIGKILL after KillWait; wait until none is left on the node.
         for _ in $(seq 120); do [[ -z $(squeue -h -t RUNNING,COMPLETING -o %i) ]] && break; sleep 0.5; done
     fi
-    stop_pid "$dir/run/slurmd.pid"
+    for pidfile in "$dir"/run/slurmd-*.pid; do stop_pid "$pidfile"; done
     stop_pid "$dir/run/slurmctld.pid"
     stop_pid "$dir/run/munged.pid"
 }

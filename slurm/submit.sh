@@ -62,14 +62,18 @@ PY=${SPECDRAFT_PYTHON:-.venv/bin/python}
 needs_pretrain=$("$PY" -c '
 import sys
 from pipeline.config import ConfigError, FinetuneMode, compose_config
-recipe, pairs, overrides = sys.argv[1], sys.argv[2].split(), sys.argv[3:]
+recipe, pairs, nodes, overrides = sys.argv[1], sys.argv[2].split(), int(sys.argv[3]), sys.argv[4:]
 try:
     cfgs = [compose_config([f"recipe={recipe}", f"lang={pair}", *overrides]) for pair in pairs]
+    for stage in ("pretrain", "finetune"):
+        if nodes > 1 and cfgs[0].train[stage].launch == "single":
+            raise ConfigError(f"--train-nodes {nodes} needs a multi-process launch: pass train.{stage}.launch=ddp "
+                              f"and train.{stage}.num_processes=<processes on all nodes>")
 except ConfigError as exc:
     print(f"error: {exc}", file=sys.stderr)
     sys.exit(2)
 print(int(cfgs[0].train.finetune.mode == FinetuneMode.pretrain_finetune))
-' "$recipe" "$langs" "${overrides[@]}")
+' "$recipe" "$langs" "$train_nodes" "${overrides[@]}")
 
 mkdir -p "$log_dir"
 common=(--parsable --open-mode=append --chdir="$root" --export="ALL,LANG_PAIRS=$langs")
