@@ -32,3 +32,14 @@ def gemma_path() -> str:
 def smollm_path() -> str:
     cfg = compose_config(["recipe=ci"])
     return model_path(cfg.target, MODELS_DIR)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory, smollm_path):
+    """ONE real vLLM CPU server on SmolLM2 (the ci target) for the whole session: it takes 30-70 s to start
+    and ~5 GB of memory. Use ``vllm_server.endpoint`` (url, api_key); tests must not stop it."""
+    from pipeline.serving.server import VLLMServer
+
+    with VLLMServer(smollm_path, "smollm2-135m", tmp_path_factory.mktemp("vllm"), REPO_ROOT / "runs" / "cache" / "vllm",
+                    max_model_len=2048) as server:
+        yield server

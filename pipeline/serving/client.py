@@ -83,10 +83,11 @@ class TargetClient:
             choice = response.choices[0]
             text = choice.text
             top = choice.logprobs.top_logprobs if self.top_logprobs else None
+        stop_reason = (choice.model_extra or {}).get("stop_reason")
         return Completion(
             text=text,
             finish_reason=choice.finish_reason,
-            stop_reason=(choice.model_extra or {}).get("stop_reason"),
+            stop_reason=stop_reason if isinstance(stop_reason, str) else None,  # an int: a stop token id
             prompt_tokens=response.usage.prompt_tokens,
             completion_tokens=response.usage.completion_tokens,
             top_logprobs=top,

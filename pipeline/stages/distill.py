@@ -37,7 +37,7 @@ from pipeline.models.provision import CHECKSUMS, load_tokenizer, model_path
 from pipeline.prompts import build_prompt, chat_messages
 from pipeline.rundir import StageConflictError, StageDir, make_command
 from pipeline.serving.client import TargetClient, failure_cause, is_transient
-from pipeline.serving.server import Endpoint, ServingError, VLLMServer
+from pipeline.serving.server import Endpoint, ServingError, VLLMServer, check_model_folder
 from pipeline.tracking import Tracker
 
 RECORDS_DIR = "records"
@@ -211,6 +211,7 @@ def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
 
 def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
     folder = model_path(cfg.target, cfg.paths.models_dir)
+    check_model_folder(folder)
     tokenizer = load_tokenizer(folder)
     train, _ = load_sources(cfg)  # held-out prompts are never distilled
     records_dir = path / RECORDS_DIR

@@ -1,0 +1,83 @@
+"""vLLM server lifecycle: bad model folders fail before launching, start-up deaths name the cause,
+and the shared session server answers the target's prompt format."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.config import REPO_ROOT, compose_config
+from pipeline.models.provision import ModelNotFoundError
+from pipeline.serving.client import TargetClient, is_transient
+from pipeline.serving.server import ServingError, VLLMServer
+
+CACHE = REPO_ROOT / "runs" / "cache"
+
+
+def distill_cli(tmp_path, *overrides):
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", "distill", "recipe=ci", f"paths.runs_dir={tmp_path / 'runs'}",
+         f"paths.cache_dir={CACHE}", f"paths.models_dir={REPO_ROOT / 'models'}", *overrides],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+
+
+@pytest.mark.parametrize("make_folder", [False, True], ids=["missing", "no-config-json"])
+def test_bad_model_path_is_a_one_line_error_before_vllm_starts(tmp_path, make_folder):
+    folder = tmp_path / "not-a-model"
+    if make_folder:
+        folder.mkdir()
+    result = distill_cli(tmp_path, "target.source=local", f"target.path={folder}")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")
+    assert str(folder) in result.stderr
+    assert not list(tmp_path.rglob("vllm.log"))  # vLLM was never launched
+
+
+def test_server_refuses_a_folder_without_config(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
+        VLLMServer(str(tmp_path), "x", tmp_path / "logs", tmp_path / "cache").start()
+
+
+def test_transient_causes_are_those_a_rerun_can_fix():
+    assert all(map(is_transient, ["connection", "timeout", "http_500", "http_503", "http_429"]))
+    assert not any(map(is_transient, ["http_400", "http_401", "http_404", "ValueError"]))
+
+
+@pytest.mark.slow
+def test_death_during_startup_reports_the_log_line(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    server = VLLMServer(str(tmp_path), "broken", tmp_path / "logs", CACHE / "vllm", startup_timeout_s=300)
+    with pytest.raises(ServingError, match=r"vLLM exited with code \d+ during start-up: .*full log: ") as info:
+        with server:
+            pass
+    assert "\n" not in str(info.value)
+    assert server.process is None  # torn down
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["ci", "local"])
+def test_client_speaks_the_target_prompt_format(vllm_server, recipe):
+    """Chat targets go through the chat API, base targets through completions with the newline stop."""
+    cfg = compose_config([f"recipe={recipe}"])
+    cfg.target.name = "smollm2-135m"  # the shared server's model; only the prompt format differs
+    client = TargetClient(vllm_server.endpoint, cfg.target, max_tokens=16, top_logprobs=3, timeout_s=60, max_retries=1)
+    prompt = "Translate German to English: Guten Morgen!\nEnglish:"
+    messages = [{"role": "user", "content": "Translate German to English: Guten Morgen!"}]
+
+    async def ask():
+        try:
+            return [await client.complete(prompt, messages, 0.0, seed=1) for _ in range(2)]
+        finally:
+            await client.close()
+
+    first, second = asyncio.run(ask())
+    assert first == second  # T=0
+    assert first.finish_reason in ("stop", "length") and first.prompt_tokens > 5
+    assert 0 < len(first.top_logprobs) <= first.completion_tokens
+    assert all(len(alternatives) <= 3 for alternatives in first.top_logprobs)
+    if first.finish_reason == "stop" and recipe == "local":
+        assert first.stop_reason == "\n" and "\n" not in first.text
