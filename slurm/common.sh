@@ -15,20 +15,33 @@ fi
 LANG_PAIR=${LANG_PAIR:-de-en}
 echo "job ${SLURM_JOB_ID:-none} (restart ${SLURM_RESTART_COUNT:-0}) on $(hostname): ${SLURM_JOB_NAME:-stage} lang=$LANG_PAIR"
 
-# run_requeueable COMMAND...: run the stage; when Slurm warns that the time limit is near
-# (#SBATCH --signal=B:USR1@SECONDS), SIGTERM it (the stage checkpoints and exits) and requeue the job,
-# whose rerun resumes from the checkpoint (stage directories are deterministic; resume=auto).
-# SIGTERM, not USR1, because srun and accelerate/torchrun forward SIGTERM to every process they started.
-run_requeueable() {
-    local child status time_up=""
-    "$@" &
-    child=$!
-    trap 'echo "time limit near: stopping the stage to requeue"; time_up=1; kill -TERM "$child"' USR1
+# run_session COMMAND...: run COMMAND in a session of its own (its id in $session) and return COMMAND's
+# exit status once EVERY process of that session has exited: a launcher (accelerate launch, torchrun)
+# can die of a signal while its workers are still writing the checkpoint, and when a job step's main
+# process exits, Slurm kills whatever is left of it.
+run_session() {
+    local status
+    setsid "$@" &
+    session=$!
     while :; do
         status=0
-        wait "$child" || status=$?
-        kill -0 "$child" 2>/dev/null || break  # exited, rather than a trap interrupting the wait
+        wait "$session" || status=$?
+        kill -0 "$session" 2>/dev/null || break  # exited, rather than a trap interrupting the wait
     done
+    while pgrep -s "$session" >/dev/null; do sleep 1; done
+    return "$status"
+}
+
+# run_requeueable COMMAND...: run the stage; when Slurm warns that the time limit is near
+# (#SBATCH --signal=B:USR1@SECONDS reaches only this shell), stop it (training checkpoints and exits)
+# and requeue the job, whose rerun resumes (stage directories are deterministic; training has
+# resume=auto). The stage gets SIGTERM, which every stage handles; srun gets USR1, which it relays to
+# every process of its step (it answers TERM by killing them), and training handles USR1 as TERM.
+run_requeueable() {
+    local status=0 time_up="" signal=TERM
+    [[ $1 == srun ]] && signal=USR1
+    trap 'echo "time limit near: stopping the stage to requeue"; time_up=1; kill -$signal "$session"' USR1
+    run_session "$@" || status=$?
     trap - USR1
     if [[ -n $time_up && $status -ne 0 ]]; then
         echo "requeueing job $SLURM_JOB_ID (stage exited $status after checkpointing)"
@@ -53,7 +66,7 @@ run_training() {
     # The node's address as Slurm reaches it (NodeAddr: the node name itself unless the cluster says otherwise).
     MAIN_PROCESS_IP=$(scontrol show node "$head" | grep -oP 'NodeAddr=\K\S+')
     MAIN_PROCESS_PORT=${MAIN_PROCESS_PORT:-29500}
-    export PY MAIN_PROCESS_IP MAIN_PROCESS_PORT
+    export MAIN_PROCESS_IP MAIN_PROCESS_PORT
     run_requeueable srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \
         slurm/train-node.sh "$stage" "$@" "lang=$LANG_PAIR"
 }

@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # One node's share of a multi-node pretrain/finetune job: `srun` runs it once per node (run_training in
 # slurm/common.sh). It runs on that node, so SLURM_NODEID here is this node's own rank.
-#   slurm/train-node.sh STAGE OVERRIDES...   (needs PY, MAIN_PROCESS_IP, MAIN_PROCESS_PORT)
-set -euo pipefail
+#   slurm/train-node.sh STAGE OVERRIDES...   (needs MAIN_PROCESS_IP, MAIN_PROCESS_PORT)
+source slurm/common.sh
 stage=$1
 shift
 # The stage passes these to its `accelerate launch` (pipeline/training/launch.py).
 export SPECDRAFT_LAUNCH_ARGS="--num_machines $SLURM_NNODES --machine_rank $SLURM_NODEID \
 --main_process_ip $MAIN_PROCESS_IP --main_process_port $MAIN_PROCESS_PORT"
 echo "node $SLURM_NODEID of $SLURM_NNODES ($(hostname)): accelerate launch with main process $MAIN_PROCESS_IP:$MAIN_PROCESS_PORT"
+# A preemption signal reaches every process of the step, this one too: outlive the workers' checkpoint.
+trap 'echo "node $SLURM_NODEID: signalled; waiting for its processes to checkpoint and exit"' USR1 TERM
 if ((SLURM_NODEID == 0)); then
     # The stage proper: manifest, tracker, accelerate launch as machine 0, completion marker.
-    exec "$PY" -m pipeline "$stage" "$@"
-fi
-# Every other node starts only its accelerate workers, with the same composed config; the stage's
-# bookkeeping stays with node 0, so nothing is written twice.
-exec "$PY" -c '
+    run_session "$PY" -m pipeline "$stage" "$@"
+else
+    # Every other node starts only its accelerate workers, with the same composed config; the stage's
+    # bookkeeping stays with node 0, so nothing is written twice.
+    run_session "$PY" -c '
 import os, sys
 from omegaconf import OmegaConf
 from pipeline.config import compose_config
@@ -26,3 +28,4 @@ OmegaConf.save(cfg, config_file, resolve=True)
 command = accelerate_command(cfg, stage, config_file)
 os.execv(command[0], command)
 ' "$stage" "${TMPDIR:-/tmp}/specdraft-$SLURM_JOB_ID-$stage-node$SLURM_NODEID.yaml" "$@"
+fi
