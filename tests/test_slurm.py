@@ -1,0 +1,173 @@
+"""slurm/ on a REAL one-node Slurm cluster (slurm/local-cluster.sh): the ci recipe's chain submitted by
+slurm/submit.sh, with its pretrain job told that its time is up (it checkpoints, requeues itself and
+resumes); then a failing stage, whose dependents must be cancelled rather than pend forever."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import REPO_ROOT, compose_config
+from pipeline.rundir import MANIFEST, STAGES, stage_dir
+
+pytestmark = pytest.mark.slow
+SLURM_DIR = REPO_ROOT / "slurm"
+CHAIN_TIMEOUT_S = 900
+
+
+@dataclass
+class Cluster:
+    directory: Path
+    env: dict[str, str]
+
+    def run(self, *command: str) -> str:
+        done = subprocess.run(command, cwd=REPO_ROOT, env=self.env, capture_output=True, text=True)
+        assert done.returncode == 0, f"{' '.join(command)} failed ({done.returncode}): {done.stderr.strip()}"
+        return done.stdout
+
+    def submit(self, *args: str) -> dict[str, str]:
+        """slurm/submit.sh's `stage=JOBID` lines."""
+        return dict(line.split("=", 1) for line in self.run(str(SLURM_DIR / "submit.sh"), *args).split())
+
+    def tasks(self, job_id: str) -> list[dict[str, str]]:
+        """scontrol's fields of every task of a job or job array (finished jobs stay for MinJobAge)."""
+        lines = self.run("scontrol", "show", "job", "--oneliner", job_id).splitlines()
+        return [dict(field.split("=", 1) for field in line.split() if "=" in field) for line in lines]
+
+    def task(self, job_id: str, array_index: int | None = None) -> dict[str, str]:
+        tasks = self.tasks(job_id)
+        if array_index is not None:
+            tasks = [t for t in tasks if t.get("ArrayTaskId") == str(array_index)]
+        assert len(tasks) == 1, f"job {job_id}[{array_index}]: {len(tasks)} tasks"
+        return tasks[0]
+
+    def wait_until_idle(self, timeout_s: float, log_dir: Path) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.run("squeue", "--noheader", "--format=%i").strip():
+            if time.monotonic() > deadline:
+                queue = self.run("squeue")
+                logs = "\n".join(f"== {p.name}\n{p.read_text()[-1500:]}" for p in sorted(log_dir.glob("*.out")))
+                pytest.fail(f"jobs still queued after {timeout_s:.0f}s:\n{queue}\n{logs}")
+            time.sleep(2)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    missing = [tool for tool in ("munged", "slurmctld", "slurmd", "sbatch") if shutil.which(tool) is None]
+    if missing or os.geteuid() != 0:
+        reason = (f"needs root and Slurm ({', '.join(missing)} missing): "
+                  "apt-get install munge slurmctld slurmd slurm-client, as .ci/run does")
+        if os.environ.get("SPECDRAFT_REQUIRE_SLURM"):  # CI: a skipped Slurm test would hide a broken install
+            pytest.fail(reason)
+        pytest.skip(reason)
+    directory = tmp_path_factory.mktemp("slurm-cluster")
+    script = str(SLURM_DIR / "local-cluster.sh")
+    subprocess.run([script, "up", str(directory)], check=True, capture_output=True, text=True)
+    env = {**os.environ, "SLURM_CONF": str(directory / "slurm.conf"), "LANG": "C.UTF-8"}
+    yield Cluster(directory, env)
+    subprocess.run([script, "down", str(directory)], check=True, capture_output=True, text=True)
+
+
+def ci_config(runs_dir: Path, pair: str, overrides: list[str]):
+    return compose_config(["recipe=ci", f"lang={pair}", f"paths.runs_dir={runs_dir}", *overrides])
+
+
+def wait_for_checkpoint(cluster: Cluster, job_id: str, checkpoints: Path, log: Path) -> None:
+    deadline = time.monotonic() + CHAIN_TIMEOUT_S
+    while not list(checkpoints.glob("*/step.json")):
+        state = cluster.task(job_id)["JobState"]
+        assert state in ("PENDING", "RUNNING"), f"pretrain {state} before its first checkpoint:\n{log.read_text()[-2000:]}"
+        assert time.monotonic() < deadline, "pretrain wrote no checkpoint"
+        time.sleep(1)
+
+
+@pytest.fixture(scope="session")
+def chain(cluster, tmp_path_factory):
+    """The ci recipe's chain for de-en. Once pretrain has a checkpoint, Slurm's time-limit warning
+    (--signal=B:USR1) is sent by hand, as slurmctld sends it 120 s before the limit."""
+    work = tmp_path_factory.mktemp("chain")
+    runs_dir, log_dir = work / "runs", work / "logs"
+    overrides = ["logger=none", "train.pretrain.save_every=2"]
+    ids = cluster.submit("--recipe", "ci", "--langs", "de-en", "--log-dir", str(log_dir),
+                         f"paths.runs_dir={runs_dir}", *overrides)
+    cfg = ci_config(runs_dir, "de-en", overrides)
+    pretrain_log = log_dir / f"pretrain-{ids['pretrain']}.out"
+    wait_for_checkpoint(cluster, ids["pretrain"], stage_dir(cfg, "pretrain", check_inputs=False).path / "checkpoints",
+                        pretrain_log)
+    cluster.run("scancel", "--batch", "--signal=USR1", ids["pretrain"])
+    # A requeued job waits 120 s before it may start again; an admin's `starttime=now` skips that.
+    deadline = time.monotonic() + 120
+    while cluster.task(ids["pretrain"])["Restarts"] == "0":
+        assert time.monotonic() < deadline, f"pretrain was not requeued:\n{pretrain_log.read_text()[-2000:]}"
+        time.sleep(1)
+    cluster.run("scontrol", "update", f"jobid={ids['pretrain']}", "starttime=now")
+    cluster.wait_until_idle(CHAIN_TIMEOUT_S, log_dir)
+    return {"ids": ids, "runs_dir": runs_dir, "log_dir": log_dir, "overrides": overrides, "cfg": cfg}
+
+
+def test_chain_runs_every_stage_in_dependency_order(cluster, chain):
+    ids, log_dir = chain["ids"], chain["log_dir"]
+    assert list(ids) == list(STAGES)
+    jobs = {stage: cluster.task(ids[stage], None if stage == "pretrain" else 0) for stage in STAGES}
+    for stage, job in jobs.items():
+        log = next(log_dir.glob(f"{stage}-{ids[stage]}*.out"))
+        assert job["JobState"] == "COMPLETED", f"{stage}: {job['JobState']}\n{log.read_text()[-2000:]}"
+        assert "lang=de-en" in log.read_text()
+    # ISO timestamps compare as strings; a job starts no earlier than the jobs it depends on end.
+    assert jobs["distill"]["EndTime"] <= jobs["finetune"]["StartTime"]
+    assert jobs["pretrain"]["EndTime"] <= jobs["finetune"]["StartTime"]
+    assert jobs["finetune"]["EndTime"] <= jobs["eval"]["StartTime"]
+    # Every stage directory of the config the test composes is complete: the jobs ran that config.
+    for stage in STAGES:
+        directory = stage_dir(chain["cfg"], stage)
+        assert directory.marker.read_text().strip() == directory.config_hash, stage
+    assert (stage_dir(chain["cfg"], "finetune").path / "drafter" / "config.json").exists()
+
+
+def test_pretrain_requeued_at_its_time_limit_resumes_from_its_checkpoint(cluster, chain):
+    job = cluster.task(chain["ids"]["pretrain"])
+    assert (job["JobState"], job["Restarts"]) == ("COMPLETED", "1")
+    log = (chain["log_dir"] / f"pretrain-{chain['ids']['pretrain']}.out").read_text()  # both runs: --open-mode=append
+    assert "time limit near" in log and "requeueing job" in log
+    assert "preempted: checkpoint at step" in log
+    assert "(restart 1)" in log and "resuming from" in log
+
+
+def test_failed_stage_cancels_only_its_dependents(cluster, chain):
+    """de-en is complete from the chain (every stage skips); fr-en's distill directory holds another
+    config's results, so its distill fails without touching them, and fr-en's finetune and eval are
+    cancelled instead of pending forever."""
+    runs_dir, overrides = chain["runs_dir"], chain["overrides"]
+    foreign = stage_dir(ci_config(runs_dir, "fr-en", overrides), "distill").path
+    foreign.mkdir(parents=True)
+    manifest = json.dumps({"stage": "distill", "config_hash": "0123456789abcdef"})
+    (foreign / MANIFEST).write_text(manifest)
+    log_dir = chain["log_dir"].parent / "logs-failure"
+    ids = cluster.submit("--recipe", "ci", "--langs", "de-en fr-en", "--log-dir", str(log_dir),
+                         f"paths.runs_dir={runs_dir}", *overrides)
+    cluster.wait_until_idle(CHAIN_TIMEOUT_S, log_dir)
+
+    states = {(stage, index): cluster.task(ids[stage], index) for stage in ("distill", "finetune", "eval") for index in (0, 1)}
+    assert {key: job["JobState"] for key, job in states.items()} == {
+        ("distill", 0): "COMPLETED", ("finetune", 0): "COMPLETED", ("eval", 0): "COMPLETED",
+        ("distill", 1): "FAILED", ("finetune", 1): "CANCELLED", ("eval", 1): "CANCELLED",
+    }
+    assert states[("finetune", 1)]["Reason"] == states[("eval", 1)]["Reason"] == "DependencyNeverSatisfied"
+    assert cluster.task(ids["pretrain"])["JobState"] == "COMPLETED"
+    assert "force=true" in (log_dir / f"distill-{ids['distill']}_1.out").read_text()
+    assert (foreign / MANIFEST).read_text() == manifest
+
+
+def test_submit_rejects_a_bad_override_before_submitting_anything(cluster, tmp_path):
+    done = subprocess.run([str(SLURM_DIR / "submit.sh"), "--recipe", "ci", "--log-dir", str(tmp_path),
+                           "train.pretrain.no_such_key=1"], cwd=REPO_ROOT, env=cluster.env, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("error: ") and len(done.stderr.strip().splitlines()) == 1
+    assert "no_such_key" in done.stderr
