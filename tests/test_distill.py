@@ -30,6 +30,7 @@ CACHE = REPO_ROOT / "runs" / "cache"
 FIELDS = {"id", "temperature", "sample", "prompt", "response", "finish_reason", "stop_reason", "prompt_tokens",
           "completion_tokens", "seed", "model", "revision"}
 FOUR = "distill.temperatures=[0.0,0.3,0.7,1.0]"
+SHORT = "distill.max_tokens=16"  # the answers only need to exist: keeps the CPU time small
 
 
 def overrides(runs_dir: Path, *extra: str) -> list[str]:
@@ -122,13 +123,13 @@ def test_records_for_every_temperature_and_reruns_reproduce(vllm_server, tmp_pat
     monkeypatch.setenv("OPENAI_API_KEY", vllm_server.endpoint.api_key)
     runs = {}
     for name in ("first", "second"):
-        args = overrides(tmp_path / name, f"distill.server.url={vllm_server.endpoint.url}", FOUR,
-                         "data.max_train_prompts=8", "distill.top_logprobs=2")
+        args = overrides(tmp_path / name, f"distill.server.url={vllm_server.endpoint.url}", FOUR, SHORT,
+                         "data.max_train_prompts=6", "distill.top_logprobs=2")
         assert main(["distill", *args]) == 0
         path = stage_path(args)
         assert (path / "COMPLETE").exists()
         records = all_records(path)
-        assert len(records) == 32 and {(r["id"], r["temperature"], r["sample"]) for r in records} == expected_keys(args)
+        assert len(records) == 24 and {(r["id"], r["temperature"], r["sample"]) for r in records} == expected_keys(args)
         runs[name] = {(r["id"], r["temperature"]): r for r in records}
 
     cfg = compose_config(args)
@@ -140,20 +141,19 @@ def test_records_for_every_temperature_and_reruns_reproduce(vllm_server, tmp_pat
         assert record["finish_reason"] in ("stop", "length") and record["completion_tokens"] > 0
         assert 0 < len(record["top_logprobs"]) <= record["completion_tokens"]
     assert {t for _, t in runs["first"]} == {0.0, 0.3, 0.7, 1.0}
-    greedy = [key for key in runs["first"] if key[1] == 0.0]
-    assert all(runs["first"][k]["response"] == runs["second"][k]["response"] for k in greedy)  # T=0 deterministic
-    sampled = [key for key in runs["first"] if key[1] == 1.0]
-    assert len({runs["first"][k]["response"] for k in sampled}) > 1
-    same = sum(runs["first"][k]["response"] == runs["second"][k]["response"] for k in runs["first"])
-    print(f"{same}/32 responses identical across the two runs (seeded requests)")
+    first, second = ({key: r["response"] for key, r in run.items()} for run in runs.values())
+    greedy = {key for key in first if key[1] == 0.0}
+    assert {k: first[k] for k in greedy} == {k: second[k] for k in greedy}  # T=0 is deterministic
+    assert first == second  # and every sampled answer too: each request carries its own seed
+    assert any(first[(id_, 1.0)] != first[(id_, 0.0)] for id_, _ in greedy)  # T=1 does sample
 
     stats = json.loads((stage_path(args) / "stats.json").read_text())
-    assert stats["records"] == 32 and stats["failures"] == {} and stats["tokens_per_s"] > 0
+    assert stats["records"] == 24 and stats["failures"] == {} and stats["tokens_per_s"] > 0
 
 
 @pytest.mark.slow
 def test_kill_9_at_random_points_then_rerun_gives_the_exact_record_set(vllm_server, tmp_path):
-    args = overrides(tmp_path, f"distill.server.url={vllm_server.endpoint.url}", FOUR, "data.max_train_prompts=16")
+    args = overrides(tmp_path, f"distill.server.url={vllm_server.endpoint.url}", FOUR, SHORT, "data.max_train_prompts=12")
     env = dict(os.environ, OPENAI_API_KEY=vllm_server.endpoint.api_key)
     path = stage_path(args)
     seed = random.randrange(10**6)
@@ -161,16 +161,16 @@ def test_kill_9_at_random_points_then_rerun_gives_the_exact_record_set(vllm_serv
     for _ in range(3):
         process = cli(args, env)
         wait_for_records(path, count_lines(path) if path.exists() else 0, process)
-        time.sleep(rng.uniform(0.0, 1.5))
+        time.sleep(rng.uniform(0.0, 0.5))
         process.kill()
         process.wait()
     interrupted = count_lines(path)
-    assert interrupted < 64, f"the kills came too late to interrupt anything (seed {seed})"
+    assert interrupted < 48, f"the kills came too late to interrupt anything (seed {seed})"
 
     process = cli(args, env)
     assert process.wait(timeout=600) == 0, process.stderr.read()
     keys = [(r["id"], r["temperature"], r["sample"]) for r in all_records(path)]
-    assert len(keys) == len(set(keys)) == 64, f"duplicates or missing records (seed {seed})"
+    assert len(keys) == len(set(keys)) == 48, f"duplicates or missing records (seed {seed})"
     assert set(keys) == expected_keys(args)
     assert len(list((path / "records").glob("*.jsonl"))) == 4  # a shard per attempt
 
@@ -180,7 +180,7 @@ def test_server_killed_mid_run_reports_and_a_rerun_completes(vllm_server, tmp_pa
     """The stage's own server (on another port than the taken preferred one) dies mid-run."""
     import socket
 
-    args = overrides(tmp_path, FOUR, "data.max_train_prompts=16", "distill.max_retries=1")
+    args = overrides(tmp_path, SHORT, "data.max_train_prompts=8", "distill.max_retries=1")
     path = stage_path(args)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -207,7 +207,7 @@ def test_server_killed_mid_run_reports_and_a_rerun_completes(vllm_server, tmp_pa
 
 @pytest.mark.slow
 def test_sigterm_tears_the_server_down(tmp_path):
-    args = overrides(tmp_path, "data.max_train_prompts=16")
+    args = overrides(tmp_path, SHORT, "data.max_train_prompts=8")
     path = stage_path(args)
     process = cli(args)
     wait_for_records(path, 0, process)

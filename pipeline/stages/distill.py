@@ -130,11 +130,11 @@ class RunStats:
 
 
 async def distill(jobs: list[Job], client: TargetClient, out: AppendOnlyJsonl, failures: AppendOnlyJsonl,
-                  cfg: DictConfig, server: VLLMServer | None, progress: tqdm, tracker: Tracker) -> RunStats:
+                  cfg: DictConfig, revision: str | None, server: VLLMServer | None, progress: tqdm,
+                  tracker: Tracker) -> RunStats:
     """Runs the jobs with ``distill.concurrency`` requests in flight; stops early when the server is gone."""
     stats = RunStats()
     model = await client.resolve_model()
-    revision = model_revision(cfg.target, model_path(cfg.target, cfg.paths.models_dir))
     queue = list(reversed(jobs))
     started = time.monotonic()
 
@@ -219,7 +219,8 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
     done = load_records(records_dir)
     if (path / FAILURES_FILE).exists():
         read_jsonl(path / FAILURES_FILE)  # cut a torn last line before appending
-    keys = [(ex, float(t), s) for ex in train for t in cfg.distill.temperatures for s in range(cfg.distill.samples_per_prompt)]
+    samples = range(cfg.distill.samples_per_prompt)
+    keys = [(ex, float(t), s) for ex in train for t in cfg.distill.temperatures for s in samples]
     chat = cfg.target.prompt_format == PromptFormat.chat
     prompts: dict[str, str] = {}
     jobs = []
@@ -249,7 +250,8 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
                                       timeout_s=cfg.distill.request_timeout_s, max_retries=cfg.distill.max_retries)
                 with tqdm(total=len(keys), initial=len(done), desc=f"distill {cfg.lang.pair}", unit="rec") as progress:
                     started = time.monotonic()
-                    stats = asyncio.run(distill(jobs, client, out, failures, cfg, server, progress, tracker))
+                    stats = asyncio.run(distill(jobs, client, out, failures, cfg, model_revision(cfg.target, folder),
+                                                  server, progress, tracker))
                     elapsed = time.monotonic() - started
         finally:
             out.close()
