@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StopStringCriteria, StoppingCriteriaList
 
-from pipeline.models.provision import load_model, load_tokenizer
-from pipeline.models.vocab import VocabMap, check_tokenizers
+from pipeline.models.vocab import VocabMap
 from pipeline.speculative.sampler import Sampling, probabilities, sample, verify, verify_greedy
 
 
@@ -211,29 +209,6 @@ def generate(
     return result
 
 
-@dataclass
-class Drafter:
-    """A drafter folder loaded for decoding."""
-
-    model: object
-    vocab_map: VocabMap | None
-    path: str
-
-    @property
-    def full_vocab(self) -> bool:
-        return self.vocab_map is None
-
-
-def load_drafter(path: str | Path, target_tokenizer) -> Drafter:
-    """Load a drafter folder (contract: HF weights + the target's tokenizer + optional vocab_map.json).
-    Refuses a drafter whose tokenizer is not the target's before loading any weights."""
-    path = str(path)
-    if not (Path(path) / "config.json").exists():
-        raise FileNotFoundError(f"{path} is not a drafter folder (no config.json); set eval.drafter_path to one")
-    check_tokenizers(load_tokenizer(path), target_tokenizer, drafter_name=f"drafter {path}")
-    return Drafter(model=load_model(path), vocab_map=VocabMap.load(path), path=path)
-
-
 def time_forward(lm: CachedModel, prompt_ids: torch.Tensor, n_tokens: int, repetitions: int) -> float:
     """Median seconds of one forward over ``n_tokens`` new tokens after the prompt (cache rolled back each time)."""
     lm.reset()
@@ -248,7 +223,7 @@ def time_forward(lm: CachedModel, prompt_ids: torch.Tensor, n_tokens: int, repet
     return float(torch.tensor(times).median())
 
 
-def step_costs(target: CachedModel, drafter: CachedModel, prompt_ids: torch.Tensor, ks: list[int], repetitions: int = 20):
+def step_costs(target: CachedModel, drafter: CachedModel, prompt_ids: torch.Tensor, ks: list[int], repetitions: int = 10):
     """The formula's costs on this machine: c = drafter step / target step, v(K) = target verify(K+1) / target step."""
     target_step = time_forward(target, prompt_ids, 1, repetitions)
     drafter_step = time_forward(drafter, prompt_ids, 1, repetitions)
@@ -260,3 +235,22 @@ def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
     """Leviathan et al.'s expected speedup (1 − α^(K+1)) / ((1 − α)(K·c + v)); its limit (K+1)/(Kc+v) at α=1."""
     expected_tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
     return expected_tokens / (k * c + v)
+
+
+def hf_generate(model, prompt_ids, max_new_tokens, stop: StopCondition, sampling: Sampling, seed: int,
+                assistant=None, k: int = 0) -> list[int]:
+    """transformers' own ``generate`` (plain, or assisted by ``assistant`` with exactly K drafts per round)."""
+    # Stop strings as a criterion, not `stop_strings=`: that one reaches the assistant, which has no tokenizer.
+    criteria = [StopStringCriteria(stop.tokenizer, stop.stop_strings)] if stop.stop_strings else []
+    kwargs = {"max_new_tokens": max_new_tokens, "do_sample": not sampling.greedy, "eos_token_id": sorted(stop.eos_token_ids),
+              "pad_token_id": sorted(stop.eos_token_ids)[0], "stopping_criteria": StoppingCriteriaList(criteria)}
+    if not sampling.greedy:
+        kwargs |= {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
+    if assistant is not None:
+        # HF's defaults (20 tokens, a 0.4 confidence cut) would stop weak drafters after one token.
+        kwargs |= {"assistant_model": assistant, "num_assistant_tokens": k,
+                   "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        out = model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), **kwargs)
+    return out[0, prompt_ids.shape[1]:].tolist()

@@ -1,0 +1,155 @@
+"""Tables and plots from eval metrics.
+
+``write_stage_report(metrics, folder)``: the eval stage's report.md (shaped like the paper's Table 1:
+rows methods, columns languages at T=0 and T=1) and PNG plots. ``python -m pipeline.report``
+(``make report``) gathers every complete eval stage under runs/ into runs/report.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+METHOD_NAMES = {"target": "target only", "speculative": "speculative (ours)", "pld": "prompt lookup (PLD)",
+                "hf": "HF generate", "hf_assisted": "HF assisted"}
+
+
+def cell(summary: dict, key: str, fmt: str = "{:.2f}") -> str:
+    if key not in summary:
+        return "–"
+    value = summary[key]
+    text = fmt.format(value["mean"])
+    return text + (f" ± {fmt.format(value['std'])}" if value["std"] else "")
+
+
+def columns(metrics: dict) -> list[tuple[str, str]]:
+    return [(pair, t) for pair, by_t in metrics["results"].items() for t in by_t]
+
+
+def table(rows: list[tuple[str, list[str]]], header: list[str]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join([label, *cells]) + " |" for label, cells in rows]
+    return "\n".join(lines)
+
+
+def speedup_table(metrics: dict, label: str = "") -> list[tuple[str, list[str]]]:
+    rows = []
+    for method in METHOD_NAMES:
+        cells = [cell(metrics["results"][pair][t]["summary"].get(method, {}), "speedup") + "×"
+                 for pair, t in columns(metrics)]
+        if any(c != "–×" for c in cells):
+            rows.append((f"{label}{METHOD_NAMES[method]}", [c.replace("–×", "–") for c in cells]))
+    return rows
+
+
+def stage_report(metrics: dict) -> str:
+    header = ["method", *[f"{pair} {t}" for pair, t in columns(metrics)]]
+    acceptance = []
+    for method in ("speculative", "pld"):
+        for key, name in (("alpha", "α"), ("tau", "τ")):
+            acceptance.append((f"{METHOD_NAMES[method]} {name}",
+                               [cell(metrics["results"][p][t]["summary"].get(method, {}), key) for p, t in columns(metrics)]))
+    costs = metrics["costs"]
+    sweep = metrics.get("k_sweep") or {}
+    lines = [
+        f"# eval: drafter trained on {metrics['trained_on']}",
+        "",
+        f"target `{metrics['target']}`, drafter `{metrics['drafter']}`"
+        + (f" (reduced vocabulary: {metrics['reduced_vocab']} ids)" if metrics.get("reduced_vocab") else ""),
+        f"K = {metrics['K']}, max_new_tokens = {metrics['max_new_tokens']}, median of {metrics['repetitions']} "
+        f"repetitions, mean ± std over seeds; {metrics['environment']['device']} "
+        f"({metrics['environment']['cpu_count']} cores), torch {metrics['environment']['torch']}, "
+        f"transformers {metrics['environment']['transformers']}",
+        "",
+        "## Wall-clock speedup over the target alone",
+        "",
+        table(speedup_table(metrics), header),
+        "",
+        "## Acceptance",
+        "",
+        table(acceptance, header),
+        "",
+        f"Costs measured on this machine: c = {costs['c']:.3f} (drafter step / target step), "
+        + ", ".join(f"v(K={k}) = {v:.2f}" for k, v in costs["v"].items()) + ".",
+    ]
+    if sweep:
+        lines += ["", "## K sweep (T=0)", "",
+                  table([(str(k), [f"{s['alpha']:.2f}", f"{s['tau']:.2f}", f"{s['speedup']:.2f}×",
+                                   f"{s['predicted_speedup']:.2f}×"]) for k, s in sweep["per_k"].items()],
+                        ["K", "α", "τ", "measured speedup", "predicted speedup"]),
+                  "", f"Best K: {sweep['best_k_measured']} measured, {sweep['best_k_predicted']} by the formula."]
+    lossless = metrics["lossless"]
+    lines += ["", f"Greedy outputs checked token by token against the target's: {lossless['greedy_prompts_checked']} "
+                  f"prompts, {len(lossless['mismatches'])} mismatches.", ""]
+    return "\n".join(lines)
+
+
+def plot_speedup(metrics: dict, path: Path) -> None:
+    cols = columns(metrics)
+    methods = [m for m in METHOD_NAMES if any(m in metrics["results"][p][t]["summary"] for p, t in cols)]
+    fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(cols) * len(methods) / 2, 4))
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        means = [metrics["results"][p][t]["summary"].get(method, {}).get("speedup", {"mean": 0, "std": 0}) for p, t in cols]
+        ax.bar([x + i * width for x in range(len(cols))], [m["mean"] for m in means], width,
+               yerr=[m["std"] for m in means], label=METHOD_NAMES[method])
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(cols))], [f"{p}\n{t}" for p, t in cols])
+    ax.set_ylabel("speedup over target alone")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_acceptance(metrics: dict, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for pair, by_t in metrics["results"].items():
+        for t, result in by_t.items():
+            for seed, stats in list(result["seeds"].items())[:1]:
+                curve = stats.get("speculative", {}).get("acceptance_per_position")
+                if curve:
+                    ax.plot(range(1, len(curve) + 1), curve, marker="o", label=f"{pair} {t}")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_stage_report(metrics: dict, folder: Path) -> None:
+    (folder / "report.md").write_text(stage_report(metrics))
+    plot_speedup(metrics, folder / "speedup.png")
+    plot_acceptance(metrics, folder / "acceptance.png")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.report", description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=Path, default=Path("runs"))
+    args = parser.parse_args(argv)
+    found = sorted(p for p in args.runs.glob("**/eval/metrics.json") if (p.parent / "COMPLETE").exists())
+    if not found:
+        print(f"error: no complete eval stage under {args.runs}; run `make eval` first")
+        return 2
+    sections = ["# specdraft results", ""]
+    for path in found:
+        metrics = json.loads(path.read_text())
+        header = ["method", *[f"{pair} {t}" for pair, t in columns(metrics)]]
+        sections += [f"## {path.parent}", "", table(speedup_table(metrics), header), ""]
+    out = args.runs / "report.md"
+    out.write_text("\n".join(sections))
+    print("\n".join(sections))
+    print(f"-> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

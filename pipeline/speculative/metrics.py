@@ -1,0 +1,66 @@
+"""The one definition of the metrics (README "Metrics"), shared by the eval stage and the benchmark.
+
+- alpha: accepted drafted tokens / drafted tokens
+- tau: emitted tokens / target forward calls (the bonus token counted: the paper's "mean accepted tokens")
+- acceptance per draft position i: rounds that accepted position i / rounds that drafted position i
+- speedup: baseline seconds per token / method seconds per token, each the median over repetitions of
+  identical work (same prompt, seed and max_new_tokens); at T=0 the tokens are identical, so this is
+  baseline time / speculative time
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+from pipeline.speculative.engine import Generation
+
+
+def measure(run: Callable[[], Generation], repetitions: int) -> Generation:
+    """Run ``repetitions`` times (same seed: same output); the first result with the median wall time."""
+    results = [run() for _ in range(max(repetitions, 1))]
+    first = results[0]
+    first.seconds = statistics.median(r.seconds for r in results)
+    return first
+
+
+def timed(run: Callable[[], list[int]]) -> Generation:
+    """A Generation from a decoder that only returns token ids (HF generate)."""
+    started = time.perf_counter()
+    tokens = run()
+    return Generation(tokens=tokens, finish_reason="", seconds=time.perf_counter() - started)
+
+
+def method_stats(generations: list[Generation]) -> dict:
+    tokens = sum(len(g.tokens) for g in generations)
+    seconds = sum(g.seconds for g in generations)
+    stats = {"prompts": len(generations), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    calls = sum(g.target_calls for g in generations)
+    if calls:
+        stats |= {"target_calls": calls, "tau": tokens / calls}
+    drafted = sum(sum(g.drafted) for g in generations)
+    if drafted:
+        stats |= {"drafted": drafted, "accepted": sum(sum(g.accepted) for g in generations)}
+        stats["alpha"] = stats["accepted"] / drafted
+        stats["acceptance_per_position"] = acceptance_per_position(generations)
+    return stats
+
+
+def acceptance_per_position(generations: list[Generation]) -> list[float]:
+    depth = max((d for g in generations for d in g.drafted), default=0)
+    drafted, accepted = [0] * depth, [0] * depth
+    for g in generations:
+        for k, n in zip(g.drafted, g.accepted):
+            for i in range(k):
+                drafted[i] += 1
+                accepted[i] += i < n
+    return [a / d for a, d in zip(accepted, drafted)]
+
+
+def speedup(stats: dict, baseline: dict) -> float:
+    return (baseline["seconds"] / baseline["tokens"]) / (stats["seconds"] / stats["tokens"])
+
+
+def mean_std(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0}

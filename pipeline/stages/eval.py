@@ -1,0 +1,240 @@
+"""eval stage: what the drafter buys the target on held-out translation prompts.
+
+Every method decodes the same held-out prompts (build_prompt, as distillation saw them) with the same
+max_new_tokens, stop strings and seeds, interleaved prompt by prompt so machine load hits all alike:
+
+- ``target``: the target alone through our loop (the baseline: same forward path as speculative)
+- ``speculative``: our engine with the drafter and K = eval.num_draft_tokens (and each K of eval.k_sweep at T=0)
+- ``pld``: prompt-lookup decoding, n-gram drafts from the context, no model (the paper's PLD row)
+- ``hf`` / ``hf_assisted``: transformers' generate, plain and with the drafter as assistant_model (K
+  drafts per round, constant schedule, no confidence cut); assisted needs a full-vocabulary drafter
+
+Writes metrics.json (metrics defined in pipeline/speculative/metrics.py, per language, temperature and
+seed, plus mean ± std over seeds), samples.jsonl, report.md and PNG plots. At T=0 the speculative and
+PLD outputs must equal the target's own greedy tokens on every prompt, or the stage fails (after
+writing its outputs, for inspection). An interrupted eval is measured again from the start: its
+timings must come from one session on one machine state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+import transformers
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline import report
+from pipeline.config import CONF_DIR, ConfigError, LangConfig
+from pipeline.data.sources import load_sources
+from pipeline.models.drafter import load_drafter
+from pipeline.models.provision import load_model, load_tokenizer, model_path
+from pipeline.prompts import build_prompt
+from pipeline.speculative.engine import (
+    CachedModel,
+    ModelDrafter,
+    PromptLookupDrafter,
+    StopCondition,
+    generate,
+    hf_generate,
+    predicted_speedup,
+    step_costs,
+)
+from pipeline.speculative.metrics import mean_std, measure, method_stats, speedup, timed
+from pipeline.speculative.sampler import Sampling
+
+METHODS = ("target", "speculative", "pld", "hf", "hf_assisted")
+SUMMARY_KEYS = ("speedup", "tokens_per_s", "alpha", "tau", "predicted_speedup")
+
+
+class LosslessError(RuntimeError):
+    """Speculative greedy output differs from the target's own greedy output."""
+
+
+def environment() -> dict:
+    return {
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def lang_config(cfg: DictConfig, pair: str) -> DictConfig:
+    """``cfg`` with another language pair (cross-language matrix mode)."""
+    other = cfg.copy()
+    other.lang = OmegaConf.merge(OmegaConf.structured(LangConfig), OmegaConf.load(CONF_DIR / "lang" / f"{pair}.yaml"))
+    return other
+
+
+def eos_ids(tokenizer, model) -> list[int]:
+    configured = model.generation_config.eos_token_id
+    configured = configured if isinstance(configured, list) else [configured]
+    return sorted({i for i in [tokenizer.eos_token_id, *configured] if i is not None})
+
+
+class Decoders:
+    """Every method's decoder over the same target, drafter and stop condition."""
+
+    def __init__(self, cfg: DictConfig, target_model, drafter_model, vocab_map, tokenizer):
+        self.cfg = cfg
+        self.target_model, self.drafter_model = target_model, drafter_model
+        self.target = CachedModel(target_model)
+        self.drafter = ModelDrafter(drafter_model, vocab_map)
+        self.pld = PromptLookupDrafter(target_model.config.vocab_size)
+        self.stop = StopCondition(tokenizer, cfg.target.stop, eos_ids(tokenizer, target_model))
+        self.hf_assisted = vocab_map is None  # transformers' assistant must share the target's vocabulary
+
+    def variants(self, first_pass: bool) -> list[tuple[str, str, int]]:
+        """(name, method, K) to run; the K sweep only in the first (T=0, first seed) pass."""
+        ev = self.cfg.eval
+        chosen = [m for m in METHODS if m == "target" or m in ev.methods]
+        if not self.hf_assisted and "hf_assisted" in chosen:
+            chosen.remove("hf_assisted")
+        out = [(m, m, ev.num_draft_tokens) for m in chosen]
+        if first_pass and "speculative" in chosen:
+            out += [(f"speculative_k{k}", "speculative", k) for k in ev.k_sweep if k != ev.num_draft_tokens]
+        return out
+
+    def decode(self, method: str, k: int, ids: torch.Tensor, sampling: Sampling, seed: int):
+        ev = self.cfg.eval
+        g = torch.Generator().manual_seed(seed)
+        if method in ("hf", "hf_assisted"):
+            assistant = self.drafter_model if method == "hf_assisted" else None
+            return timed(lambda: hf_generate(self.target_model, ids, ev.max_new_tokens, self.stop, sampling, seed,
+                                             assistant=assistant, k=k))
+        drafter = {"target": None, "speculative": self.drafter, "pld": self.pld}[method]
+        return generate(self.target, ids, ev.max_new_tokens, self.stop, sampling, drafter=drafter, k=k, generator=g)
+
+
+def run(cfg: DictConfig, directory, tracker) -> dict:
+    ev = cfg.eval
+    if ev.engine != "transformers":
+        raise ConfigError("eval.engine=vllm (vLLM's own speculative decoding) is not implemented; use eval.engine=transformers")
+    target_path = model_path(cfg.target, cfg.paths.models_dir)
+    drafter_path = ev.drafter_path or str(directory.inputs["finetune"].path / "drafter")
+    if not Path(drafter_path).is_dir():
+        raise FileNotFoundError(f"drafter folder {drafter_path} does not exist; set eval.drafter_path to an HF folder")
+    drafter_model, vocab_map = load_drafter(drafter_path, target_path)  # the tokenizer gate, before the target loads
+    tokenizer = load_tokenizer(target_path)
+    target_model = load_model(target_path, cfg.target.dtype)
+    decoders = Decoders(cfg, target_model, drafter_model.eval(), vocab_map, tokenizer)
+
+    pairs = [cfg.lang.pair, *[p for p in ev.matrix_langs if p != cfg.lang.pair]]
+    prompts = {}
+    for pair in pairs:
+        lang_cfg = lang_config(cfg, pair) if pair != cfg.lang.pair else cfg
+        heldout = load_sources(lang_cfg)[1][: ev.num_prompts]
+        if not heldout:
+            raise ConfigError(f"no held-out prompts for {pair}; raise data.heldout_max or choose another lang")
+        prompts[pair] = [(ex, build_prompt(cfg.target, lang_cfg.lang, ex.src, tokenizer)) for ex in heldout]
+
+    first_ids = tokenizer(prompts[cfg.lang.pair][0][1], return_tensors="pt").input_ids
+    ks = sorted({ev.num_draft_tokens, *ev.k_sweep})
+    costs = step_costs(decoders.target, decoders.drafter.lm, first_ids, ks)
+    print(f"eval: c = {costs['c']:.3f}, v(K={ev.num_draft_tokens}) = {costs['v'][ev.num_draft_tokens]:.2f}", flush=True)
+
+    results, mismatches, samples = {}, [], []
+    for temperature in ev.temperatures:
+        sampling = Sampling(temperature, ev.top_k, ev.top_p)
+        seeds = list(ev.seeds) if temperature > 0 else list(ev.seeds)[:1]  # greedy output does not depend on the seed
+        for _ in range(ev.warmup):
+            ids = tokenizer(prompts[cfg.lang.pair][0][1], return_tensors="pt").input_ids
+            for _, method, k in decoders.variants(first_pass=True):
+                decoders.decode(method, k, ids, sampling, seeds[0])
+        for pair in pairs:
+            per_seed = {}
+            for seed_index, seed in enumerate(seeds):
+                variants = decoders.variants(first_pass=temperature == 0 and seed_index == 0)
+                outputs = {name: [] for name, _, _ in variants}
+                for index, (example, prompt) in enumerate(prompts[pair]):
+                    ids = tokenizer(prompt, return_tensors="pt").input_ids
+                    prompt_seed = seed * 1_000_003 + index
+                    row = {"lang": pair, "temperature": temperature, "seed": seed, "id": example.id, "src": example.src,
+                           "ref": example.ref, "prompt": prompt, "methods": {}}
+                    for name, method, k in variants:
+                        out = measure(lambda: decoders.decode(method, k, ids, sampling, prompt_seed), ev.repetitions)
+                        outputs[name].append(out)
+                        row["methods"][name] = {"output": decoders.stop.text(out.tokens), "tokens": len(out.tokens),
+                                                "accept_lengths": out.accepted, "drafted": out.drafted,
+                                                "seconds": out.seconds}
+                        if temperature == 0 and method in ("speculative", "pld") and out.tokens != outputs["target"][-1].tokens:
+                            mismatches.append({"lang": pair, "id": example.id, "method": name})
+                    samples.append(row)
+                per_seed[seed] = seed_stats(outputs, variants, costs)
+                tracker.log({f"{pair}/T{temperature}/{name}/{key}": value for name, stats in per_seed[seed].items()
+                             for key, value in stats.items() if key in SUMMARY_KEYS})
+            results.setdefault(pair, {})[f"T={temperature}"] = {"seeds": per_seed, "summary": summarize(per_seed)}
+            print(f"eval {pair} T={temperature}: " + ", ".join(
+                f"{name} {s['speedup']['mean']:.2f}x" for name, s in results[pair][f"T={temperature}"]["summary"].items()),
+                flush=True)
+
+    metrics = {
+        "target": target_path,
+        "drafter": drafter_path,
+        "reduced_vocab": vocab_map.drafter_vocab_size - 1 if vocab_map is not None else None,
+        "trained_on": cfg.lang.pair,
+        "K": ev.num_draft_tokens,
+        "max_new_tokens": ev.max_new_tokens,
+        "repetitions": ev.repetitions,
+        "costs": costs,
+        "k_sweep": k_sweep(results, cfg.lang.pair, ev.num_draft_tokens),
+        "results": results,
+        "lossless": {"greedy_prompts_checked": sum(len(p) for p in prompts.values()) if 0 in ev.temperatures else 0,
+                     "mismatches": mismatches},
+        "hf_assisted": "run" if decoders.hf_assisted else "skipped: reduced-vocabulary drafter",
+        "environment": environment(),
+    }
+    out_dir = directory.path
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    with (out_dir / "samples.jsonl").open("w") as handle:
+        for row in samples:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    report.write_stage_report(metrics, out_dir)
+    main = results[cfg.lang.pair]
+    tracker.summary({f"{t}/{name}/{key}": s[key]["mean"] for t, r in main.items() for name, s in r["summary"].items()
+                     for key in SUMMARY_KEYS if key in s} | {"c": costs["c"]})
+    if mismatches:
+        raise LosslessError(f"{len(mismatches)} greedy outputs differ from the target's own (first: {mismatches[0]}); "
+                            f"see {out_dir / 'samples.jsonl'}")
+    return {"prompts": sum(len(p) for p in prompts.values()), "languages": len(pairs), "greedy_mismatches": 0}
+
+
+def seed_stats(outputs: dict, variants: list, costs: dict) -> dict:
+    stats = {name: method_stats(gens) for name, gens in outputs.items()}
+    for name, method, k in variants:
+        stats[name]["speedup"] = speedup(stats[name], stats["target"])
+        if "alpha" in stats[name]:
+            c = costs["c"] if method == "speculative" else 0.0  # a prompt lookup costs next to nothing
+            stats[name]["predicted_speedup"] = predicted_speedup(stats[name]["alpha"], k, c, costs["v"].get(k, 1.0))
+    return stats
+
+
+def summarize(per_seed: dict) -> dict:
+    names = next(iter(per_seed.values())).keys()
+    return {name: {key: mean_std([s[name][key] for s in per_seed.values() if name in s])
+                   for key in SUMMARY_KEYS if all(key in s.get(name, {}) for s in per_seed.values())}
+            for name in names}
+
+
+def k_sweep(results: dict, pair: str, k_main: int) -> dict:
+    """Measured and predicted speedup per K at T=0; the best K by each."""
+    greedy = results.get(pair, {}).get("T=0.0")
+    if greedy is None:
+        return {}
+    first_seed = next(iter(greedy["seeds"].values()))
+    per_k = {}
+    for name, stats in first_seed.items():
+        if name == "speculative" or name.startswith("speculative_k"):
+            k = k_main if name == "speculative" else int(name.removeprefix("speculative_k"))
+            per_k[k] = {key: stats[key] for key in ("alpha", "tau", "speedup", "predicted_speedup")}
+    per_k = dict(sorted(per_k.items()))
+    return {"per_k": per_k,
+            "best_k_measured": max(per_k, key=lambda k: per_k[k]["speedup"]),
+            "best_k_predicted": max(per_k, key=lambda k: per_k[k]["predicted_speedup"])}

@@ -1,0 +1,75 @@
+"""The eval stage end to end on the ci recipe (SmolLM2-135M target) with tiny drafters built here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from pipeline import cli, report
+from pipeline.config import compose_config
+from pipeline.models.drafter import init_drafter, save_drafter
+
+
+@pytest.fixture(scope="session")
+def ci_drafter(smollm_path, tmp_path_factory):
+    """A tiny-ci drafter on the target's tokenizer (random weights: the finetune stage is not needed)."""
+    folder = tmp_path_factory.mktemp("drafter") / "drafter"
+    cfg = compose_config(["recipe=ci"])
+    save_drafter(init_drafter(cfg.drafter, smollm_path, None, seed=0), smollm_path, None, folder)
+    return folder
+
+
+@pytest.mark.slow
+def test_eval_stage_writes_metrics_report_and_passes_greedy_gate(ci_drafter, runs_dir, tmp_path):
+    args = ["eval", "recipe=ci", f"paths.runs_dir={runs_dir}", f"eval.drafter_path={ci_drafter}"]
+    assert cli.main(args) == 0
+    out = next(runs_dir.glob("**/eval"))
+    assert (out / "COMPLETE").exists()
+    metrics = json.loads((out / "metrics.json").read_text())
+    cfg = compose_config(args[1:])
+    assert metrics["lossless"] == {"greedy_prompts_checked": cfg.eval.num_prompts, "mismatches": []}
+    greedy, sampled = metrics["results"]["de-en"]["T=0.0"], metrics["results"]["de-en"]["T=1.0"]
+    spec = greedy["seeds"]["0"]["speculative"]
+    assert 0 <= spec["alpha"] <= 1 and 1 <= spec["tau"] <= cfg.eval.num_draft_tokens + 1
+    assert len(spec["acceptance_per_position"]) == cfg.eval.num_draft_tokens
+    assert greedy["summary"]["target"]["speedup"]["mean"] == 1.0
+    assert {"speculative", "pld", "hf", "hf_assisted", "speculative_k2"} <= set(greedy["summary"])
+    assert "speculative_k2" not in sampled["summary"]  # the K sweep runs at T=0 only
+    assert set(metrics["k_sweep"]["per_k"]) == {"2", "4"}
+    assert 0 < metrics["costs"]["c"] and metrics["costs"]["v"]["4"] > 0
+    assert metrics["environment"]["device"] == "cpu"
+    rows = [json.loads(line) for line in (out / "samples.jsonl").open()]
+    assert len(rows) == cfg.eval.num_prompts * 2  # T=0 and T=1, one seed
+    first = rows[0]["methods"]
+    assert first["speculative"]["output"] == first["target"]["output"]  # T=0
+    assert sum(first["speculative"]["accept_lengths"]) + len(first["speculative"]["accept_lengths"]) == first["speculative"]["tokens"]
+    text = (out / "report.md").read_text()
+    assert "| speculative (ours) |" in text and "de-en T=1.0" in text
+    assert (out / "speedup.png").stat().st_size > 0 and (out / "acceptance.png").stat().st_size > 0
+
+    assert report.main(["--runs", str(runs_dir)]) == 0
+    assert "speculative (ours)" in (runs_dir / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_drafter_with_another_tokenizer_is_refused_before_compute(gemma_path, smollm_path, runs_dir, tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "gemma-tokenizer-drafter"
+    cfg = compose_config(["recipe=ci"])
+    save_drafter(init_drafter(cfg.drafter, smollm_path, None, seed=0), smollm_path, None, folder)
+    AutoTokenizer.from_pretrained(gemma_path).save_pretrained(folder)  # the drafter of another model family
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the target was loaded before the tokenizer gate")
+
+    monkeypatch.setattr("pipeline.stages.eval.load_model", fail)
+    assert cli.main(["eval", "recipe=ci", f"paths.runs_dir={runs_dir}", f"eval.drafter_path={folder}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "tokenizer" in err and err.count("\n") == 1
+    assert not list(runs_dir.glob("**/metrics.json"))
+
+
+def test_report_without_eval_results_says_what_to_run(tmp_path, capsys):
+    assert report.main(["--runs", str(tmp_path)]) == 2
+    assert "make eval" in capsys.readouterr().out
