@@ -74,8 +74,8 @@ BENCH ?=
 bench: install ## benchmarks (not tests), results in runs/bench/NAME.json; BENCH=NAME runs one
 	$(PY) -m pipeline.bench $(BENCH)
 
-report: install ## result tables from finished eval stages (not yet: issue #3)
-	@echo "make report is not implemented yet (issue #3)" >&2; exit 2
+report: install ## result tables from finished eval stages -> runs/report.md
+	$(PY) -m pipeline.report
 
 clean: ## remove run outputs (keeps converted models and the venv)
 	rm -rf runs

@@ -210,7 +210,8 @@ class EvalConfig:
     num_prompts: int = 50
     repetitions: int = 3
     warmup: int = 1
-    methods: list[str] = field(default_factory=lambda: ["target", "speculative", "hf_assisted", "pld"])
+    # target (always run: the baseline) | speculative | pld | hf (transformers generate) | hf_assisted
+    methods: list[str] = field(default_factory=lambda: ["target", "speculative", "pld", "hf", "hf_assisted"])
     drafter_path: Optional[str] = None  # any HF folder instead of the finetune stage's drafter
     matrix_langs: list[str] = field(default_factory=list)  # cross-language: evaluate on these pairs too
     engine: str = "transformers"  # transformers | vllm
@@ -362,6 +363,11 @@ def validate(cfg: DictConfig) -> None:
             problems.append(f"train.{name}.launch '{tc.launch}' unknown; valid: {', '.join(launches)}")
     if cfg.eval.engine not in ("transformers", "vllm"):
         problems.append("eval.engine must be transformers or vllm")
+    eval_methods = ("target", "speculative", "pld", "hf", "hf_assisted")
+    if unknown := [m for m in cfg.eval.methods if m not in eval_methods]:
+        problems.append(f"eval.methods: unknown {', '.join(unknown)}; valid: {', '.join(eval_methods)}")
+    if unknown := [p for p in cfg.eval.matrix_langs if p not in options("lang")]:
+        problems.append(f"eval.matrix_langs: unknown {', '.join(unknown)}; valid: {', '.join(options('lang'))}")
     if problems:
         raise ConfigError("; ".join(problems))
 
