@@ -2,7 +2,8 @@
 
 Both train the ``local`` recipe's drafter (tiny-7m shape, 16k reduced vocabulary) from the same
 initial weights on the same packed ShareGPT blocks (gemma-3-270m tokens, mapped to the drafter's
-vocabulary by the same collator), batch 16 x 256, AdamW, cosine schedule, one process on this CPU.
+vocabulary by the same collator), with the recipe's batch (16 x 256), precision (bf16 autocast), AdamW
+and cosine schedule, one process on this CPU.
 Each side runs ROUNDS times, alternating, and its best round counts (the machine is shared).
 Tokens/s = input tokens / the training call's wall time. Goal: ours >= 1.0x Trainer.
 """
@@ -23,7 +24,7 @@ from pipeline.models.provision import load_tokenizer, model_path
 from pipeline.training import loop
 from pipeline.training.data import Collator, pack, pretrain_tokens, token_counts
 
-STEPS = 30
+STEPS = 20
 ROUNDS = 2
 
 
@@ -44,7 +45,7 @@ def trainer(cfg, target_path, vocab, examples, collate) -> float:
             output_dir=out_dir, per_device_train_batch_size=tc.batch_size, max_steps=STEPS, learning_rate=tc.lr,
             lr_scheduler_type="cosine", warmup_steps=tc.warmup_ratio, max_grad_norm=tc.grad_clip,  # < 1: a ratio
             weight_decay=tc.weight_decay, logging_steps=STEPS, save_strategy="no", report_to=[], use_cpu=True,
-            dataloader_num_workers=0, seed=cfg.seed, disable_tqdm=True,
+            dataloader_num_workers=0, seed=cfg.seed, disable_tqdm=True, bf16=tc.mixed_precision == "bf16",
         )
         started = time.monotonic()
         Trainer(model=model, args=args, train_dataset=examples, data_collator=collate).train()

@@ -150,10 +150,16 @@ def train(
             for _ in range(tc.grad_accum):
                 batch = {k: v.to(accelerator.device) for k, v in next(data).items()}
                 with accelerator.accumulate(model):
-                    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                    labels = batch["labels"][:, 1:]
+                    labels = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE)  # position t predicts token t + 1
+                    # The LM head (most of a small drafter's compute) runs only where some row has a label:
+                    # finetuning skips most prompt positions.
+                    keep = (labels != IGNORE).any(dim=0).nonzero().squeeze(1)
+                    logits = model(
+                        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=keep
+                    ).logits
+                    labels = labels[:, keep]
                     ce_sum = F.cross_entropy(
-                        logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum"
+                        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum"
                     )
                     label_tokens = (labels != IGNORE).sum()
                     micro_tokens = accelerator.reduce(label_tokens, "sum").clamp(min=1)
