@@ -64,6 +64,7 @@ def test_drafter_with_another_tokenizer_is_refused_before_compute(gemma_path, sm
         raise AssertionError("the target was loaded before the tokenizer gate")
 
     monkeypatch.setattr("pipeline.stages.eval.load_model", fail)
+    capsys.readouterr()  # drop the progress bars of building the drafter
     assert cli.main(["eval", "recipe=ci", f"paths.runs_dir={runs_dir}", f"eval.drafter_path={folder}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "tokenizer" in err and err.count("\n") == 1
