@@ -150,6 +150,7 @@ class ServerConfig:
     dtype: str = "auto"
     port: Optional[int] = None  # preferred port of the local server; None (or taken): a free one
     cpu_kvcache_gb: int = 2  # VLLM_CPU_KVCACHE_SPACE of the CPU build
+    enforce_eager: bool = True  # no graph capture: right on CPU; GPU recipes set false for CUDA graphs
     extra_args: list[str] = field(default_factory=list)
 
 

@@ -3,7 +3,7 @@
 The ``openai`` client does the retrying: connection errors, timeouts, 408/409/429 and 5xx are retried
 ``max_retries`` times with exponential backoff (0.5 s doubling to 8 s, with jitter). Base models get
 the completions API with the completion-format prompt; chat models the chat API (the server applies
-the chat template, ``target.chat_template`` when the model ships none).
+the chat template: ``target.chat_template``, given to the server at launch, when the model ships none).
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ class TargetClient:
         self.client = openai.AsyncOpenAI(base_url=endpoint.url, api_key=endpoint.api_key,
                                          timeout=timeout_s, max_retries=max_retries)
         self.chat = target.prompt_format == PromptFormat.chat
-        self.chat_template = target.chat_template
         self.stop = list(target.stop) or None
         self.max_tokens, self.top_logprobs = max_tokens, top_logprobs
         self.model = target.name
@@ -70,9 +69,8 @@ class TargetClient:
     async def complete(self, prompt: str, messages: list[dict] | None, temperature: float, seed: int) -> Completion:
         common = dict(model=self.model, temperature=temperature, seed=seed, max_tokens=self.max_tokens, stop=self.stop)
         if self.chat:
-            extra = {"chat_template": self.chat_template} if self.chat_template else None
             logprobs = dict(logprobs=True, top_logprobs=self.top_logprobs) if self.top_logprobs else {}
-            response = await self.client.chat.completions.create(messages=messages, extra_body=extra, **logprobs, **common)
+            response = await self.client.chat.completions.create(messages=messages, **logprobs, **common)
             choice = response.choices[0]
             text = choice.message.content or ""
             top = ([{alt.token: alt.logprob for alt in token.top_logprobs} for token in choice.logprobs.content]

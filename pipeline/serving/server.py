@@ -71,11 +71,13 @@ class VLLMServer:
 
     def __init__(self, model: str, served_name: str, log_dir: Path, cache_dir: Path, *, dtype: str = "auto",
                  max_model_len: int = 2048, port: int | None = None, cpu_kvcache_gb: int = 2,
-                 extra_args: list[str] = (), startup_timeout_s: float = 600.0):
+                 chat_template: str | None = None, enforce_eager: bool = True, extra_args: list[str] = (),
+                 startup_timeout_s: float = 600.0):
         self.model, self.served_name = model, served_name
         self.log_dir, self.cache_dir = Path(log_dir), Path(cache_dir)
         self.dtype, self.max_model_len, self.preferred_port = dtype, max_model_len, port
         self.cpu_kvcache_gb, self.extra_args, self.startup_timeout_s = cpu_kvcache_gb, list(extra_args), startup_timeout_s
+        self.chat_template, self.enforce_eager = chat_template, enforce_eager
         self.api_key = secrets.token_urlsafe(24)
         self.process: subprocess.Popen | None = None
         self.port: int | None = None
@@ -125,9 +127,14 @@ class VLLMServer:
             "--model", self.model, "--served-model-name", self.served_name,
             "--host", "127.0.0.1", "--port", str(port), "--api-key", self.api_key,
             "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
-            "--enforce-eager",  # healthy in under a minute on CPU instead of ~2, with the same throughput
             *self.extra_args,
         ]
+        if self.enforce_eager:  # on CPU: healthy in under a minute instead of ~2, with the same throughput
+            command.append("--enforce-eager")
+        if self.chat_template:  # models that ship none (Vicuna); vLLM refuses templates sent with requests
+            template = self.log_dir / "chat_template.jinja"
+            template.write_text(self.chat_template)
+            command += ["--chat-template", str(template)]
         env = dict(
             os.environ,
             VLLM_CPU_KVCACHE_SPACE=str(self.cpu_kvcache_gb),

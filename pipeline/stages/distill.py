@@ -191,7 +191,8 @@ def serve(cfg: DictConfig, folder: str, stage_path: Path):
     return VLLMServer(
         folder, cfg.target.name, stage_path / SERVER_DIR, Path(cfg.paths.cache_dir).resolve() / "vllm",
         dtype=server.dtype, max_model_len=cfg.target.max_model_len, port=server.port,
-        cpu_kvcache_gb=server.cpu_kvcache_gb, extra_args=list(server.extra_args),
+        cpu_kvcache_gb=server.cpu_kvcache_gb, chat_template=cfg.target.chat_template,
+        enforce_eager=server.enforce_eager, extra_args=list(server.extra_args),
         startup_timeout_s=server.startup_timeout_s,
     )
 
