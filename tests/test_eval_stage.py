@@ -74,3 +74,15 @@ def test_drafter_with_another_tokenizer_is_refused_before_compute(gemma_path, sm
 def test_report_without_eval_results_says_what_to_run(tmp_path, capsys):
     assert report.main(["--runs", str(tmp_path)]) == 2
     assert "make eval" in capsys.readouterr().out
+
+
+def test_matrix_langs_are_checked_and_switch_the_language(ci_cfg):
+    from pipeline.config import ConfigError
+    from pipeline.stages.eval import lang_config
+
+    other = lang_config(ci_cfg, "fr-en")
+    assert (other.lang.pair, other.lang.src_name) == ("fr-en", "French") and ci_cfg.lang.pair == "de-en"
+    with pytest.raises(ConfigError, match="eval.matrix_langs: unknown xx-en"):
+        compose_config(["recipe=ci", "eval.matrix_langs=[fr-en,xx-en]"])
+    with pytest.raises(ConfigError, match="eval.methods: unknown beam"):
+        compose_config(["recipe=ci", "eval.methods=[target,beam]"])
