@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from pipeline.cli import main as cli
 from pipeline.config import REPO_ROOT, compose_config
-from pipeline.models.provision import load_tokenizer
+from pipeline.models.provision import load_model, load_tokenizer
 from pipeline.models.vocab import VocabMap
 from pipeline.prompts import build_prompt
 from pipeline.rundir import MARKER, stage_dir
@@ -60,7 +60,7 @@ def pretrained(tmp_path_factory, smollm_path):
 def distilled(pretrained, smollm_path):
     """A complete distill stage of the ci recipe beside the pretrain stage, in the records format of contract 1."""
     cfg = compose_config(overrides(pretrained))
-    tokenizer = load_tokenizer(smollm_path)
+    tokenizer, target = load_tokenizer(smollm_path), load_model(smollm_path)
     directory = stage_dir(cfg, "distill")
     directory.begin(cfg)
     (directory.path / "records").mkdir()
@@ -74,9 +74,20 @@ def distilled(pretrained, smollm_path):
                           "finish_reason": finish_reason, "stop_reason": stop_reason,
                           "prompt_tokens": len(tokenizer(prompt).input_ids), "completion_tokens": 12, "seed": 0,
                           "model": cfg.target.name, "revision": None}
+                record["top_logprobs"] = top_logprobs(target, tokenizer, prompt, ref)
                 out.write(json.dumps(record) + "\n")
     directory.finish(cfg, {"records": 2 * len(TRANSLATIONS)})
     return pretrained
+
+
+def top_logprobs(target, tokenizer, prompt: str, response: str, k: int = 5) -> list[dict[str, float]]:
+    """The target's top-k logprobs at each response token, as the OpenAI API reports them."""
+    ids = tokenizer(prompt + response, return_tensors="pt").input_ids
+    start = len(tokenizer(prompt).input_ids)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(target(input_ids=ids).logits[0], -1)
+    return [{tokenizer.decode([int(i)]): float(logprobs[t, i]) for i in logprobs[t].topk(k).indices}
+            for t in range(start - 1, ids.shape[1] - 1)]
 
 
 def test_pretrain_writes_a_drafter_and_its_loss_falls(pretrained):
@@ -146,6 +157,17 @@ def test_finetune_only_with_a_reduced_vocabulary(distilled):
     assert vocab.drafter_vocab_size == 513 and vocab.target_vocab_size == 49152
     counts = json.loads((path / "manifest.json").read_text())["counts"]
     assert counts["drafter_vocab"] == 513 and counts["label_coverage"] == 1.0  # 512 ids cover these records
+
+
+def test_finetune_with_a_kd_loss_on_the_targets_top_k(distilled):
+    args = overrides(distilled, "train.finetune.mode=finetune_only", "drafter.name=tiny-ci-kd",
+                     "train.finetune.loss=kd_forward_kl", "train.finetune.log_every=1")
+    assert cli(["finetune", *args]) == 0
+    path = stage_dir(compose_config(args), "finetune").path
+    counts = json.loads((path / "manifest.json").read_text())["counts"]
+    assert 0.3 < counts["teacher_coverage"] < 1.0  # stops, EOS and off-top-k tokens keep CE
+    curve = losses(path)
+    assert curve[-1] < curve[0], curve
 
 
 def test_drafter_with_another_tokenizer_is_refused_before_any_compute(gemma_path, tmp_path, capsys):

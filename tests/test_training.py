@@ -11,11 +11,11 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.config import TrainConfig
-from pipeline.models.provision import load_tokenizer
+from pipeline.config import Loss, TrainConfig
+from pipeline.models.provision import load_model, load_tokenizer
 from pipeline.models.vocab import VocabMap
 from pipeline.training import loop
-from pipeline.training.data import IGNORE, Collator, pack, record_example
+from pipeline.training.data import IGNORE, Collator, TokenStrings, pack, record_example
 from pipeline.training.launch import MetricsLog, read_metrics
 
 VOCAB = 32
@@ -150,3 +150,54 @@ def test_record_is_the_sequence_the_target_saw(smollm_path, finish_reason, stop_
     assert text == "Good morning, how are you?" + expected_end
     truncated = record_example(record, tokenizer, max_length=8)
     assert truncated["input_ids"] == example["input_ids"][-8:] and truncated["labels"] == example["labels"][-8:]
+
+
+def test_kd_losses_follow_their_definitions_and_fall_back_to_ce():
+    logits = torch.tensor([[[2.0, 0.5, -1.0, 0.0], [0.3, 0.1, 1.2, -0.4]]])
+    targets = {
+        "labels": torch.tensor([[0, 2]]),
+        "teacher_ids": torch.tensor([[[0, 1], [-1, -1]]]),  # the second position has no top-k: CE
+        "teacher_logprobs": torch.tensor([[[-0.2, -1.9], [float("-inf"), float("-inf")]]]),
+    }
+    q = torch.softmax(logits[0], -1)
+    p = torch.softmax(torch.tensor([-0.2, -1.9]), -1)  # the top-k renormalised
+    ce_second = -q[1, 2].log()
+    kl = (p * (p.log() - q[0, [0, 1]].log())).sum()
+    tv = 0.5 * ((p - q[0, [0, 1]]).abs().sum() + q[0, [2, 3]].sum())
+    assert loop.loss_sum(logits, targets, Loss.kd_forward_kl).item() == pytest.approx((kl + ce_second).item(), rel=1e-5)
+    assert loop.loss_sum(logits, targets, Loss.kd_total_variation).item() == pytest.approx((tv + ce_second).item(), rel=1e-5)
+    ce = -(q[0, 0].log() + q[1, 2].log())
+    assert loop.loss_sum(logits, targets, Loss.ce).item() == pytest.approx(ce.item(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_record_carries_the_targets_top_k_aligned_with_its_labels(smollm_path):
+    """Top-k logprobs of the real target, in the OpenAI API's form (decoded token strings)."""
+    tokenizer, target = load_tokenizer(smollm_path), load_model(smollm_path)
+    prompt = "Translate German to English: Der Hund schläft.\nEnglish:"
+    response = " The dog is sleeping."
+    ids = tokenizer(prompt + response, return_tensors="pt").input_ids
+    n_prompt = len(tokenizer(prompt).input_ids)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(target(input_ids=ids).logits[0], -1)
+    top = [dict((tokenizer.decode([int(i)]), float(logprobs[t, i])) for i in logprobs[t].topk(5).indices)
+           for t in range(n_prompt - 1, ids.shape[1] - 1)]
+    record = {"prompt": prompt, "response": response, "finish_reason": "length", "stop_reason": None,
+              "top_logprobs": top}
+    example = record_example(record, tokenizer, 512, TokenStrings(tokenizer))
+    labels = np.asarray(example["labels"])
+    assert (example["teacher_ids"][labels == IGNORE] == -1).all()
+    used = 0
+    for t in np.flatnonzero(labels != IGNORE):
+        row = example["teacher_ids"][t]
+        expected = logprobs[t - 1].topk(5)
+        if labels[t] not in expected.indices.tolist():  # the response's token is outside the target's top 5: CE
+            assert (row == -1).all()
+            continue
+        used += 1
+        assert row.tolist() == expected.indices.tolist()  # the target's own top 5, as ids
+        assert np.allclose(example["teacher_logprobs"][t], expected.values.numpy(), atol=1e-6)
+    assert used >= 2
+    batch = Collator(0, VocabMap(torch.arange(1000), 49152))([example])
+    off_map = batch["teacher_ids"] < 0
+    assert torch.isinf(batch["teacher_logprobs"][off_map]).all() and not off_map.all()

@@ -4,6 +4,8 @@ Each distilled record becomes the exact sequence the target saw and produced (pr
 ``build_prompt``, response, then its stop string or EOS); the loss is on the response and stop
 only. All temperatures are mixed. P-F starts from the pretrain stage's drafter (and its vocabulary
 map); F-only from random init, with a reduced vocabulary counted on the finetuning data.
+``loss=kd_forward_kl|kd_total_variation`` trains toward the target's stored top-k logprobs
+(``distill.top_logprobs=K``) instead of its sampled tokens, where they are known.
 """
 
 from __future__ import annotations
@@ -11,19 +13,17 @@ from __future__ import annotations
 from omegaconf import DictConfig
 from transformers import AutoConfig
 
-from pipeline.config import ConfigError, FinetuneMode, Loss
+from pipeline.config import FinetuneMode, Loss
 from pipeline.models.drafter import build_drafter, load_drafter, reduced_vocab
 from pipeline.models.provision import load_tokenizer, model_path
 from pipeline.rundir import StageDir, StageInputError, make_command
 from pipeline.tracking import Tracker
 from pipeline.training import loop
-from pipeline.training.data import finetune_examples, read_records, token_counts
+from pipeline.training.data import TokenStrings, finetune_examples, read_records, teacher_coverage, token_counts
 from pipeline.training.launch import MetricsLog, run_training
 
 
 def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
-    if cfg.train.finetune.loss != Loss.ce:
-        raise ConfigError(f"train.finetune.loss={cfg.train.finetune.loss.value} is not implemented yet; use loss=ce")
     return run_training(cfg, "finetune", directory, tracker)
 
 
@@ -39,10 +39,20 @@ def train(cfg: DictConfig, directory: StageDir, log: MetricsLog) -> dict:
     records = read_records(records_dir)
     if not records:
         raise StageInputError(f"{records_dir} holds no records; run `{make_command(cfg, 'distill')}` with force=true")
-    examples = finetune_examples(records, tokenizer, tc.max_length)
+    strings = None
+    if tc.loss != Loss.ce:  # KD against the target's top-k logprobs stored in the records
+        if not any(r.get("top_logprobs") for r in records):
+            raise StageInputError(
+                f"train.finetune.loss={tc.loss.value} needs the target's top-k logprobs, which {records_dir} lacks: "
+                f"run `{make_command(cfg, 'distill')} ARGS='distill.top_logprobs=5 force=true'` or use loss=ce"
+            )
+        strings = TokenStrings(tokenizer)
+    examples = finetune_examples(records, tokenizer, tc.max_length, strings)
     if tc.mode == FinetuneMode.finetune_only:
         counts = token_counts(examples, AutoConfig.from_pretrained(target_path).vocab_size)
         model, vocab = build_drafter(cfg.drafter, target_path, reduced_vocab(cfg.drafter, counts, tokenizer), cfg.seed)
 
     counts = loop.train_drafter(tc, model, vocab, examples, tokenizer, target_path, directory.path, log, cfg.seed)
+    if strings is not None:
+        counts["teacher_coverage"] = round(teacher_coverage(examples), 4)
     return {**counts, "records": len(records), "temperatures": sorted({r["temperature"] for r in records})}

@@ -132,12 +132,40 @@ def read_records(records_dir: Path) -> list[dict]:
     return records
 
 
-def record_example(record: dict, tokenizer, max_length: int) -> dict:
+class TokenStrings:
+    """Target token ids <-> the strings the OpenAI API reports in ``top_logprobs`` (each id decoded alone)."""
+
+    def __init__(self, tokenizer):
+        self.texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+        self.ids: dict[str, int] = {}
+        for i, text in enumerate(self.texts):
+            self.ids.setdefault(text, i)  # a few ids decode alike (byte pieces): the first one stands for them
+
+    def teacher(self, completion_ids: list[int], top_logprobs: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+        """The target's top-k (ids, logprobs) per completion token; id -1 where unknown.
+
+        A position is used only where its token is among that position's alternatives: the record's
+        text was re-tokenized, and this keeps a misaligned (or off-top-k sampled) position on plain CE.
+        """
+        k = max((len(top) for top in top_logprobs), default=1)
+        ids = np.full((len(completion_ids), k), -1, dtype=np.int64)
+        logprobs = np.full((len(completion_ids), k), -np.inf, dtype=np.float32)
+        for j, (token, top) in enumerate(zip(completion_ids, top_logprobs)):
+            if self.texts[token] not in top:
+                continue
+            for slot, (text, logprob) in enumerate(top.items()):
+                if text in self.ids:
+                    ids[j, slot], logprobs[j, slot] = self.ids[text], logprob
+        return ids, logprobs
+
+
+def record_example(record: dict, tokenizer, max_length: int, strings: TokenStrings | None = None) -> dict:
     """The sequence the target saw and produced: prompt, response, and how it stopped.
 
     Loss is taken on the response and its stop only. The target generated its response tokens after
     the prompt's tokens, so the whole text is tokenized at once and split at the prompt's length;
-    where a token merges across that boundary the response is tokenized on its own.
+    where a token merges across that boundary the response is tokenized on its own. With ``strings``
+    the example also carries the target's top-k logprobs (for a KD loss), aligned with ``labels``.
     """
     stop = ""
     if record["finish_reason"] == "stop" and isinstance(record.get("stop_reason"), str):
@@ -152,11 +180,25 @@ def record_example(record: dict, tokenizer, max_length: int) -> dict:
         completion_ids = completion_ids + [tokenizer.eos_token_id]  # the target ended with EOS
     input_ids = (prompt_ids + completion_ids)[-max_length:]  # over-long prompts lose their start
     labels = ([IGNORE] * len(prompt_ids) + completion_ids)[-max_length:]
-    return {"input_ids": input_ids, "labels": labels}
+    example = {"input_ids": input_ids, "labels": labels}
+    if strings is not None:
+        ids, logprobs = strings.teacher(completion_ids, record.get("top_logprobs") or [])
+        none = np.full((len(prompt_ids), ids.shape[1]), -1, dtype=np.int64)
+        example["teacher_ids"] = np.concatenate([none, ids])[-max_length:]
+        example["teacher_logprobs"] = np.concatenate([np.full(none.shape, -np.inf, np.float32), logprobs])[-max_length:]
+    return example
 
 
-def finetune_examples(records: list[dict], tokenizer, max_length: int) -> list[dict]:
-    return [record_example(r, tokenizer, max_length) for r in tqdm(records, desc="tokenizing records", mininterval=5)]
+def finetune_examples(records: list[dict], tokenizer, max_length: int, strings: TokenStrings | None = None) -> list[dict]:
+    return [record_example(r, tokenizer, max_length, strings)
+            for r in tqdm(records, desc="tokenizing records", mininterval=5)]
+
+
+def teacher_coverage(examples: list[dict]) -> float:
+    """Share of the label tokens that have the target's top-k logprobs (the rest train on plain CE)."""
+    labelled = sum(int((np.asarray(e["labels"]) != IGNORE).sum()) for e in examples)
+    known = sum(int(((e["teacher_ids"] >= 0).any(1) & (np.asarray(e["labels"]) != IGNORE)).sum()) for e in examples)
+    return known / max(labelled, 1)
 
 
 # ---------------------------------------------------------------- vocabulary and batches
@@ -198,7 +240,23 @@ class Collator:
             attention_mask[row, :n] = 1
         if self.vocab is not None:
             input_ids = self.vocab.encode(input_ids)
-            known = labels != IGNORE
-            mapped = self.vocab.encode(labels.clamp(min=0))
-            labels = torch.where(known & (mapped != self.vocab.unk_id), mapped, IGNORE)
-        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+            labels = self.to_drafter(labels)
+        batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+        if "teacher_ids" in examples[0]:
+            k = max(e["teacher_ids"].shape[1] for e in examples)
+            teacher_ids = torch.full((len(examples), length, k), -1, dtype=torch.long)
+            teacher_logprobs = torch.full((len(examples), length, k), float("-inf"))
+            for row, example in enumerate(examples):
+                n, width = example["teacher_ids"].shape
+                teacher_ids[row, :n, :width] = torch.as_tensor(example["teacher_ids"])
+                teacher_logprobs[row, :n, :width] = torch.as_tensor(example["teacher_logprobs"])
+            if self.vocab is not None:
+                teacher_ids = self.to_drafter(teacher_ids, missing=-1)
+            batch["teacher_ids"] = teacher_ids
+            batch["teacher_logprobs"] = teacher_logprobs.masked_fill(teacher_ids < 0, float("-inf"))
+        return batch
+
+    def to_drafter(self, target_ids: torch.Tensor, missing: int = IGNORE) -> torch.Tensor:
+        """Target ids -> drafter ids; ids the drafter cannot predict (and ``missing`` ones) become ``missing``."""
+        mapped = self.vocab.encode(target_ids.clamp(min=0))
+        return torch.where((target_ids >= 0) & (mapped != self.vocab.unk_id), mapped, missing)

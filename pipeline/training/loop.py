@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, Loss
 from pipeline.models.drafter import save_drafter
 from pipeline.models.vocab import VocabMap
 from pipeline.training.data import IGNORE, Collator, label_coverage
@@ -85,6 +85,41 @@ def preemption_signals():
             signal.signal(sig, old)
 
 
+NOTHING = {"labels": IGNORE, "teacher_ids": -1, "teacher_logprobs": float("-inf")}  # per-token targets: "none"
+
+
+def shift(target: torch.Tensor, nothing) -> torch.Tensor:
+    """Targets of token t + 1 at position t; nothing at the last position."""
+    return torch.cat([target[:, 1:], torch.full_like(target[:, :1], nothing)], dim=1)
+
+
+def loss_sum(logits: torch.Tensor, targets: dict[str, torch.Tensor], loss: Loss) -> torch.Tensor:
+    """The loss summed over labelled positions: cross-entropy, or a KD loss where the target's top-k is known.
+
+    KD compares the drafter's q with the target's top-k distribution p (renormalised over the k ids):
+    forward KL(p || q) = sum_k p_k (log p_k - log q_k), or total variation 0.5 sum_v |p_v - q_v| (p = 0 off
+    the top k, so that is 0.5 (sum_k |p_k - q_k| + 1 - sum_k q_k)). Positions without the target's top-k
+    (an appended stop or EOS, a re-tokenization mismatch) keep cross-entropy.
+    """
+    labels = targets["labels"]
+    if loss == Loss.ce or "teacher_ids" not in targets:
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    log_q = F.log_softmax(logits.float(), dim=-1)
+    per_token = -log_q.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    ids = targets["teacher_ids"]
+    known = ids >= 0
+    has_teacher = known.any(-1)
+    p = torch.softmax(targets["teacher_logprobs"].masked_fill(~has_teacher.unsqueeze(-1), 0.0), dim=-1) * known
+    log_q_k = log_q.gather(-1, ids.clamp(min=0))
+    if loss == Loss.kd_forward_kl:
+        kd = (p * (p.clamp(min=1e-30).log() - log_q_k)).sum(-1)
+    else:
+        q_k = log_q_k.exp() * known
+        kd = 0.5 * ((p - q_k).abs().sum(-1) + 1 - q_k.sum(-1))
+    per_token = torch.where(has_teacher, kd, per_token)
+    return per_token.masked_fill(labels == IGNORE, 0.0).sum()
+
+
 def train(
     tc: DictConfig,
     model: torch.nn.Module,
@@ -95,6 +130,7 @@ def train(
     seed: int,
 ) -> TrainResult:
     accelerator = Accelerator(mixed_precision=tc.mixed_precision, gradient_accumulation_steps=tc.grad_accum)
+    loss = Loss(tc.get("loss", Loss.ce))  # pretraining has no KD option
     world = accelerator.num_processes
     if tc.batch_size % (tc.grad_accum * world):
         raise ConfigError(
@@ -150,18 +186,16 @@ def train(
             for _ in range(tc.grad_accum):
                 batch = {k: v.to(accelerator.device) for k, v in next(data).items()}
                 with accelerator.accumulate(model):
-                    labels = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE)  # position t predicts token t + 1
-                    # The LM head (most of a small drafter's compute) runs only where some row has a label:
-                    # finetuning skips most prompt positions.
-                    keep = (labels != IGNORE).any(dim=0).nonzero().squeeze(1)
+                    # Position t predicts token t + 1. The LM head (most of a small drafter's compute) runs
+                    # only where some row has a label: finetuning skips most prompt positions.
+                    targets = {k: shift(batch[k], nothing) for k, nothing in NOTHING.items() if k in batch}
+                    keep = (targets["labels"] != IGNORE).any(dim=0).nonzero().squeeze(1)
                     logits = model(
                         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=keep
                     ).logits
-                    labels = labels[:, keep]
-                    ce_sum = F.cross_entropy(
-                        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum"
-                    )
-                    label_tokens = (labels != IGNORE).sum()
+                    targets = {k: v[:, keep] for k, v in targets.items()}
+                    ce_sum = loss_sum(logits, targets, loss)
+                    label_tokens = (targets["labels"] != IGNORE).sum()
                     micro_tokens = accelerator.reduce(label_tokens, "sum").clamp(min=1)
                     # DDP averages gradients over processes: scale so the result is the global token mean.
                     accelerator.backward(ce_sum * world / micro_tokens)
