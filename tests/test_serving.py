@@ -81,3 +81,24 @@ def test_client_speaks_the_target_prompt_format(vllm_server, recipe):
     assert all(len(alternatives) <= 3 for alternatives in first.top_logprobs)
     if first.finish_reason == "stop" and recipe == "local":
         assert first.stop_reason == "\n" and "\n" not in first.text
+
+
+@pytest.mark.slow
+def test_chat_api_sees_exactly_the_recorded_prompt(vllm_server, smollm_path):
+    """The record's prompt (build_prompt) is token for token what the server rendered from the chat messages."""
+    import openai
+
+    from pipeline.models.provision import load_tokenizer
+    from pipeline.prompts import build_prompt, chat_messages
+
+    cfg = compose_config(["recipe=ci"])
+    tokenizer = load_tokenizer(smollm_path)
+    text = "Guten Morgen, wie geht es dir?"
+    client = openai.OpenAI(base_url=vllm_server.endpoint.url, api_key=vllm_server.endpoint.api_key)
+    response = client.chat.completions.create(
+        model="smollm2-135m", messages=chat_messages(cfg.target, cfg.lang, text), max_tokens=1,
+        extra_body={"return_token_ids": True},
+    )
+    seen = response.model_extra["prompt_token_ids"]
+    expected = tokenizer(build_prompt(cfg.target, cfg.lang, text, tokenizer), add_special_tokens=False)["input_ids"]
+    assert seen == expected

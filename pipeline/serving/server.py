@@ -3,13 +3,11 @@
 The server binds 127.0.0.1 on a free port behind a random API key and logs into the stage directory.
 It runs in its own process group (vLLM spawns an engine-core and a worker process), which is
 terminated on every way out: normal exit, exception, SIGINT and SIGTERM (Slurm preemption). If the
-stage itself is killed with SIGKILL, the kernel kills the server too (PR_SET_PDEATHSIG) and vLLM's
-engine processes follow their parent.
+stage itself is killed with SIGKILL, the group's leader (``reaper``) kills the group.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import secrets
@@ -54,12 +52,6 @@ def check_model_folder(model: str) -> None:
     looks_local = path.is_absolute() or model.startswith(".") or path.exists()
     if looks_local and not (path / "config.json").is_file():
         raise ModelNotFoundError(f"{model} is not a model folder (no config.json); point target.path at an HF folder")
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGKILL it when the stage process dies, even by SIGKILL."""
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _raise_on_sigterm(signum, frame):
@@ -123,6 +115,7 @@ class VLLMServer:
     def _launch(self, port: int) -> None:
         self.port = port
         command = [
+            sys.executable, "-m", "pipeline.serving.reaper", str(os.getpid()),
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model, "--served-model-name", self.served_name,
             "--host", "127.0.0.1", "--port", str(port), "--api-key", self.api_key,
@@ -148,7 +141,7 @@ class VLLMServer:
             log.flush()
             self.process = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True, preexec_fn=_die_with_parent,
+                start_new_session=True,
             )
         info = {"pid": self.process.pid, "pgid": self.process.pid, "port": port, "model": self.model}
         (self.log_dir / INFO_FILE).write_text(json.dumps(info) + "\n")
