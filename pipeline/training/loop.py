@@ -52,8 +52,12 @@ class Preempted(SystemExit):
 @dataclass
 class TrainResult:
     accelerator: Accelerator
-    model: torch.nn.Module  # unwrapped
+    prepared: torch.nn.Module  # as accelerate wrapped it (DDP, DeepSpeed engine)
     summary: dict
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(self.prepared)
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
@@ -174,7 +178,7 @@ def train(
             epoch, skip = epoch + 1, 0
 
     model.train()
-    window = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # since the last log: CE sum, labels, inputs
+    window = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # since the last log: loss sum, labels, inputs
     local_inputs = torch.zeros((), dtype=torch.float64, device=accelerator.device)  # this process, this run
     started = time.time()
     window_start, window_tokens = time.time(), 0
@@ -194,17 +198,17 @@ def train(
                         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=keep
                     ).logits
                     targets = {k: v[:, keep] for k, v in targets.items()}
-                    ce_sum = loss_sum(logits, targets, loss)
+                    loss_total = loss_sum(logits, targets, loss)
                     label_tokens = (targets["labels"] != IGNORE).sum()
                     micro_tokens = accelerator.reduce(label_tokens, "sum").clamp(min=1)
                     # DDP averages gradients over processes: scale so the result is the global token mean.
-                    accelerator.backward(ce_sum * world / micro_tokens)
+                    accelerator.backward(loss_total * world / micro_tokens)
                     if accelerator.sync_gradients and tc.grad_clip:
                         grad_norm = accelerator.clip_grad_norm_(model.parameters(), tc.grad_clip)
                     optimizer.step()  # a no-op until the last micro-batch (accelerate's accumulate)
                     optimizer.zero_grad(set_to_none=True)
                 inputs = batch["attention_mask"].sum().double()
-                window += torch.stack([ce_sum.detach().double(), label_tokens.double(), inputs])
+                window += torch.stack([loss_total.detach().double(), label_tokens.double(), inputs])
                 local_inputs += inputs
             scheduler.step()
             step += 1
@@ -215,11 +219,11 @@ def train(
             if checkpoint_now or step % tc.log_every == 0:
                 tokens_seen = tokens_before + int(accelerator.reduce(local_inputs, "sum").item())
             if step % tc.log_every == 0 or step == total_steps or stop:
-                ce, labelled, inputs = accelerator.reduce(window, "sum").tolist()
+                loss_window, labelled, inputs = accelerator.reduce(window, "sum").tolist()
                 window.zero_()
                 window_tokens += int(inputs)
                 now = time.time()
-                last_loss = ce / max(labelled, 1)
+                last_loss = loss_window / max(labelled, 1)
                 metrics = {
                     "loss": last_loss,
                     "lr": scheduler.get_last_lr()[0],
@@ -243,7 +247,7 @@ def train(
     run_tokens = int(accelerator.reduce(local_inputs, "sum").item())
     summary = {"steps": step, "tokens_seen": tokens_before + run_tokens, "final_loss": last_loss,
                "train_time_s": round(wall, 1), "tokens_per_s": round(run_tokens / max(wall, 1e-9), 1)}
-    return TrainResult(accelerator, accelerator.unwrap_model(model), summary)
+    return TrainResult(accelerator, model, summary)
 
 
 def train_drafter(
@@ -252,7 +256,7 @@ def train_drafter(
 ) -> dict:
     """Train, then write ``out_dir/drafter`` (contract 2); returns the counts for the manifest."""
     result = train(tc, model, examples, Collator(tokenizer.pad_token_id, vocab), out_dir, log, seed)
-    state_dict = result.accelerator.get_state_dict(result.model)  # on every rank: DeepSpeed gathers the shards
+    state_dict = result.accelerator.get_state_dict(result.prepared)  # on every rank: DeepSpeed gathers the shards
     if result.accelerator.is_main_process:
         save_drafter(result.model, target_path, vocab, out_dir / "drafter", state_dict)
     result.accelerator.wait_for_everyone()
