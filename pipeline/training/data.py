@@ -222,7 +222,9 @@ def label_coverage(examples: list[dict], vocab: VocabMap | None) -> float:
 class Collator:
     """Pads a batch (right side; padding is never a label) and maps ids to the drafter's vocabulary.
 
-    Labels outside a reduced vocabulary are ignored: the drafter can never propose them.
+    Labels outside a reduced vocabulary are ignored: the drafter can never propose them. The target's
+    top-k (``teacher_ids``/``teacher_logprobs``, for KD) is padded to (batch, length, k) the same way,
+    ids off the map dropped (-1, logprob -inf).
     """
 
     def __init__(self, pad_id: int, vocab: VocabMap | None):
