@@ -19,7 +19,6 @@ interleaved prompt by prompt, after a warm-up, taking the median of several repe
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 import torch
