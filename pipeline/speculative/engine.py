@@ -253,4 +253,7 @@ def hf_generate(model, prompt_ids, max_new_tokens, stop: StopCondition, sampling
     torch.manual_seed(seed)
     with torch.inference_mode():
         out = model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), **kwargs)
-    return out[0, prompt_ids.shape[1]:].tolist()
+    tokens = out[0, prompt_ids.shape[1]:].tolist()
+    # Assisted rounds can run past a stop string; count only what a user gets, as for our loop.
+    end = stop.first_stop(tokens, 0)
+    return tokens[:end] if end is not None else tokens
