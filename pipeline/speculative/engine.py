@@ -209,26 +209,31 @@ def generate(
     return result
 
 
-def time_forward(lm: CachedModel, prompt_ids: torch.Tensor, n_tokens: int, repetitions: int) -> float:
-    """Median seconds of one forward over ``n_tokens`` new tokens after the prompt (cache rolled back each time)."""
-    lm.reset()
-    lm.forward(prompt_ids, keep=1)
-    tokens = prompt_ids[:, -n_tokens:] if prompt_ids.shape[1] >= n_tokens else prompt_ids[:, :1].repeat(1, n_tokens)
-    times = []
-    for _ in range(repetitions):
-        started = time.perf_counter()
-        lm.forward(tokens, keep=n_tokens)
-        lm.rollback(prompt_ids.shape[1])
-        times.append(time.perf_counter() - started)
-    return float(torch.tensor(times).median())
+def timed_forward(lm: CachedModel, tokens: torch.Tensor) -> float:
+    """Seconds of one forward over ``tokens`` after the cached prefix, which is then restored."""
+    length = lm.length
+    started = time.perf_counter()
+    lm.forward(tokens, keep=tokens.shape[1])
+    lm.rollback(length)
+    return time.perf_counter() - started
 
 
 def step_costs(target: CachedModel, drafter: CachedModel, prompt_ids: torch.Tensor, ks: list[int], repetitions: int = 10):
-    """The formula's costs on this machine: c = drafter step / target step, v(K) = target verify(K+1) / target step."""
-    target_step = time_forward(target, prompt_ids, 1, repetitions)
-    drafter_step = time_forward(drafter, prompt_ids, 1, repetitions)
-    verify_cost = {k: time_forward(target, prompt_ids, k + 1, repetitions) / target_step for k in ks}
-    return {"target_step_s": target_step, "drafter_step_s": drafter_step, "c": drafter_step / target_step, "v": verify_cost}
+    """The formula's costs on this machine: c = drafter step / target step, v(K) = target verify(K+1) / target step.
+    Medians over repetitions that interleave the measured forwards, so load changes hit them alike."""
+    for lm in (target, drafter):
+        lm.reset()
+        lm.forward(prompt_ids, keep=1)
+    tokens = prompt_ids[:, -1:].repeat(1, max(ks) + 1)
+    times = {"target": [], "drafter": [], **{k: [] for k in ks}}
+    for _ in range(repetitions):
+        times["target"].append(timed_forward(target, tokens[:, :1]))
+        times["drafter"].append(timed_forward(drafter, tokens[:, :1]))
+        for k in ks:
+            times[k].append(timed_forward(target, tokens[:, : k + 1]))
+    median = {key: float(torch.tensor(values).median()) for key, values in times.items()}
+    return {"target_step_s": median["target"], "drafter_step_s": median["drafter"],
+            "c": median["drafter"] / median["target"], "v": {k: median[k] / median["target"] for k in ks}}
 
 
 def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
