@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real one-node Slurm cluster on this machine, for tests, CI and trying slurm/ out:
+# A real Slurm cluster on this one machine, for tests, CI and trying slurm/ out:
 #
 #   slurm/local-cluster.sh up DIR [NODES]   # start munged, slurmctld and NODES slurmd (default 1);
 #                                           # conf, state and logs under DIR
@@ -10,8 +10,8 @@
 # each offering the host's CPUs): enough to run multi-node jobs (srun, accelerate rendezvous) for real,
 # not to add compute.
 #
-# Needs root and Debian's `munge slurmctld slurmd slurm-client` (see .ci/run). Works without systemd or
-# cgroups: processes are tracked through /proc, nothing is bound or accounted. Every daemon runs detached
+# Needs root and Debian's `munge slurmctld slurmd slurm-client procps` (see .ci/run). Works without
+# systemd or cgroups: processes are tracked through /proc, nothing is bound or accounted. Every daemon runs detached
 # with its stdio redirected (a daemon holding the caller's stdout would keep CI's log open forever).
 # Ports: SLURMCTLD_PORT (6817) and SLURMD_PORT (6818).
 set -euo pipefail
@@ -100,7 +100,11 @@ EOF
 }
 
 up() {
-    command -v slurmctld >/dev/null || { echo "local-cluster: slurmctld not found; apt-get install munge slurmctld slurmd slurm-client" >&2; exit 1; }
+    for tool in munged slurmctld slurmd sbatch pgrep; do
+        command -v $tool >/dev/null && continue
+        echo "local-cluster: $tool not found; apt-get install munge slurmctld slurmd slurm-client procps" >&2
+        exit 1
+    done
     [[ $(id -u) -eq 0 ]] || { echo "local-cluster: needs root (SlurmUser=root)" >&2; exit 1; }
     mkdir -p "$dir"/{munge,munge-socket,state,spool,run,log}
     # munged refuses directories others can write to: key and log private, the socket's dir world-readable.

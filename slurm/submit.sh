@@ -76,30 +76,38 @@ print(int(cfgs[0].train.finetune.mode == FinetuneMode.pretrain_finetune))
 ' "$recipe" "$langs" "$train_nodes" "${overrides[@]}")
 
 mkdir -p "$log_dir"
-common=(--parsable --open-mode=append --chdir="$root" --export="ALL,LANG_PAIRS=$langs")
+common=(--parsable --open-mode=append --chdir="$root")
 [[ -n $partition ]] && common+=(--partition="$partition")
 [[ -n $cpus ]] && common+=(--cpus-per-task="$cpus")
 [[ -n $time_limit ]] && common+=(--time="$time_limit")
 ((gpus > 0)) && common+=(--gpus-per-node="$gpus")
-array=(--array="0-$((${#pairs[@]} - 1))" --output="$log_dir/%x-%A_%a.out")
+# Array task i runs the i-th pair of LANG_PAIRS (slurm/common.sh).
+array=(--array="0-$((${#pairs[@]} - 1))" --export="ALL,LANG_PAIRS=$langs" --output="$log_dir/%x-%A_%a.out")
 args=("recipe=$recipe" "${overrides[@]}")
 
-submit() {  # submit STAGE SBATCH-OPTIONS...: prints the job id
+submitted=()
+submit() {  # submit STAGE SBATCH-OPTIONS...: sets job_id and prints `STAGE=JOBID`
     local stage=$1
     shift
-    sbatch "${common[@]}" "$@" "slurm/$stage.sbatch" "${args[@]}"
+    if ! job_id=$(sbatch "${common[@]}" "$@" "slurm/$stage.sbatch" "${args[@]}"); then
+        # No half-submitted chain left behind: a dependent would otherwise wait for a job that never comes.
+        if ((${#submitted[@]})); then
+            scancel "${submitted[@]}"
+            echo "cancelled the jobs already submitted: ${submitted[*]}" >&2
+        fi
+        fail "sbatch refused the $stage job (its message is above)"
+    fi
+    submitted+=("$job_id")
+    echo "$stage=$job_id"
 }
 
-distill=$(submit distill "${array[@]}")
-echo "distill=$distill"
+submit distill "${array[@]}"
+distill=$job_id
 after_pretrain=""
 if ((needs_pretrain)); then
     # Language independent: one job, run with the first pair (the pair does not enter its config hash).
-    pretrain=$(LANG_PAIR=${pairs[0]} submit pretrain --nodes="$train_nodes" --output="$log_dir/%x-%j.out")
-    echo "pretrain=$pretrain"
-    after_pretrain=",afterok:$pretrain"
+    submit pretrain --nodes="$train_nodes" --export="ALL,LANG_PAIR=${pairs[0]}" --output="$log_dir/%x-%j.out"
+    after_pretrain=",afterok:$job_id"
 fi
-finetune=$(submit finetune "${array[@]}" --nodes="$train_nodes" --dependency="aftercorr:$distill$after_pretrain")
-echo "finetune=$finetune"
-eval=$(submit eval "${array[@]}" --dependency="aftercorr:$finetune")
-echo "eval=$eval"
+submit finetune "${array[@]}" --nodes="$train_nodes" --dependency="aftercorr:$distill$after_pretrain"
+submit eval "${array[@]}" --dependency="aftercorr:$job_id"

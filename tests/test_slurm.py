@@ -60,10 +60,10 @@ class Cluster:
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
-    missing = [tool for tool in ("munged", "slurmctld", "slurmd", "sbatch") if shutil.which(tool) is None]
+    missing = [tool for tool in ("munged", "slurmctld", "slurmd", "sbatch", "pgrep") if shutil.which(tool) is None]
     if missing or os.geteuid() != 0:
         reason = (f"needs root and Slurm ({', '.join(missing)} missing): "
-                  "apt-get install munge slurmctld slurmd slurm-client, as .ci/run does")
+                  "apt-get install munge slurmctld slurmd slurm-client procps, as .ci/run does")
         if os.environ.get("SPECDRAFT_REQUIRE_SLURM"):  # CI: a skipped Slurm test would hide a broken install
             pytest.fail(reason)
         pytest.skip(reason)
@@ -95,7 +95,8 @@ def chain(cluster, tmp_path_factory):
     work = tmp_path_factory.mktemp("chain")
     runs_dir, log_dir = work / "runs", work / "logs"
     # Smaller than the ci recipe where only the machinery is under test; pretrain checkpoints every 2 steps.
-    overrides = ["logger=none", "data.max_train_prompts=12", "eval.num_prompts=2", "train.pretrain.save_every=2"]
+    overrides = ["logger=none", "data.max_train_prompts=12", "train.pretrain.save_every=2",
+                 "eval.num_prompts=2", "eval.methods=[target,speculative]", "eval.k_sweep=[4]"]
     ids = cluster.submit("--recipe", "ci", "--langs", "de-en", "--log-dir", str(log_dir),
                          f"paths.runs_dir={runs_dir}", *overrides)
     cfg = ci_config(runs_dir, "de-en", overrides)
@@ -172,3 +173,16 @@ def test_submit_rejects_a_bad_override_before_submitting_anything(cluster, tmp_p
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.startswith("error: ") and len(done.stderr.strip().splitlines()) == 1
     assert "no_such_key" in done.stderr
+
+
+def test_refused_job_leaves_no_half_submitted_chain(cluster, tmp_path):
+    """Two training nodes on a one-node cluster: sbatch refuses pretrain at once (EnforcePartLimits=ALL)
+    instead of queueing it forever, and submit.sh cancels the distill job it had already submitted."""
+    multi_node = [f"train.{stage}.{key}" for stage in ("pretrain", "finetune") for key in ("launch=ddp", "num_processes=2")]
+    done = subprocess.run([str(SLURM_DIR / "submit.sh"), "--recipe", "ci", "--train-nodes", "2", "--log-dir", str(tmp_path),
+                           f"paths.runs_dir={tmp_path}", *multi_node], cwd=REPO_ROOT, env=cluster.env, capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    distill = done.stdout.strip().removeprefix("distill=")
+    assert done.stdout.split("=")[0] == "distill" and "sbatch refused the pretrain job" in done.stderr
+    assert cluster.task(distill, 0)["JobState"] == "CANCELLED"
+    cluster.wait_until_idle(60, tmp_path)
