@@ -119,6 +119,7 @@ def test_reduced_vocab_drafter_greedy_exact(make):
         assert 0 < sum(out.accepted) < sum(out.drafted)  # it proposes tokens the target accepts, and some it rejects
 
 
+@pytest.mark.slow  # 4000 generations
 def test_reduced_vocab_drafter_sampling_is_target_distribution():
     """First two emitted tokens at T=1 over many seeds, against the target's exact two-token distribution."""
     vocab = 8
