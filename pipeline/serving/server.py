@@ -144,7 +144,9 @@ class VLLMServer:
                 start_new_session=True,
             )
         info = {"pid": self.process.pid, "pgid": self.process.pid, "port": port, "model": self.model}
-        (self.log_dir / INFO_FILE).write_text(json.dumps(info) + "\n")
+        tmp = self.log_dir / f".{INFO_FILE}.tmp"
+        tmp.write_text(json.dumps(info) + "\n")
+        os.replace(tmp, self.log_dir / INFO_FILE)  # whole or absent for whoever reads it
 
     def _wait_healthy(self) -> bool:
         """True once GET /health answers; False when vLLM could not bind its port; raises on other deaths."""

@@ -98,7 +98,7 @@ def load_records(records_dir: Path) -> dict[Key, dict]:
 
 
 def request_seed(base_seed: int, key: Key) -> int:
-    """A per-request seed, so a rerun (or a resumed run) samples the same answer."""
+    """A per-request seed, so a rerun (or a resumed run) samples the same answer, batching noise aside."""
     digest = hashlib.sha256(f"{base_seed}:{key[0]}:{key[1]}:{key[2]}".encode()).digest()
     return int.from_bytes(digest[:4], "big") >> 1  # vLLM takes a signed 32-bit seed
 
