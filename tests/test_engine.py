@@ -15,6 +15,7 @@ from pipeline.speculative.engine import (
     generate,
     predicted_speedup,
 )
+from pipeline.speculative.metrics import alpha_from_tau
 from pipeline.speculative.sampler import Sampling
 
 VOCAB = 64
@@ -158,3 +159,5 @@ def test_predicted_speedup_formula():
     assert predicted_speedup(1.0, 4, 0.0, 1.0) == 5.0
     assert abs(predicted_speedup(0.5, 1, 0.1, 1.0) - 1.5 / 1.1) < 1e-12
     assert abs(predicted_speedup(0.0, 3, 0.1, 1.0) - 1 / 1.3) < 1e-12
+    for alpha in (0.0, 0.3, 0.8, 1.0):  # alpha_from_tau inverts the expected round length
+        assert abs(alpha_from_tau((1 - alpha**5) / (1 - alpha) if alpha < 1 else 5.0, 4) - alpha) < 1e-9

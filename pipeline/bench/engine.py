@@ -40,7 +40,7 @@ from pipeline.speculative.engine import (
     predicted_speedup,
     step_costs,
 )
-from pipeline.speculative.metrics import measure, method_stats, speedup, timed
+from pipeline.speculative.metrics import alpha_from_tau, measure, method_stats, speedup, timed
 from pipeline.speculative.sampler import Sampling
 from pipeline.stages.eval import environment, eos_ids
 
@@ -143,6 +143,9 @@ def main(out_dir: Path) -> dict:
         costs = step_costs(target, CachedModel(model, vmap), prompts[0], [K])
         stats[name] |= {"c": costs["c"], "v": costs["v"][K], "greedy_token_exact": exact[name]}
         stats[name]["speedup_predicted"] = predicted_speedup(stats[name]["alpha"], K, stats[name]["c"], stats[name]["v"])
+        stats[name]["alpha_from_tau"] = alpha_from_tau(stats[name]["tau"], K)
+        stats[name]["speedup_predicted_from_tau"] = predicted_speedup(stats[name]["alpha_from_tau"], K, stats[name]["c"],
+                                                                      stats[name]["v"])
     headline = stats["speculative"]
     result = {
         "K": K,
@@ -153,6 +156,8 @@ def main(out_dir: Path) -> dict:
         "speedup_measured": headline["speedup"],
         "speedup_predicted": headline["speedup_predicted"],
         "measured_over_predicted": headline["speedup"] / headline["speedup_predicted"],
+        "speedup_predicted_from_tau": headline["speedup_predicted_from_tau"],
+        "measured_over_predicted_from_tau": headline["speedup"] / headline["speedup_predicted_from_tau"],
         "vs_hf_assisted": headline["tokens_per_s"] / stats["hf_assisted"]["tokens_per_s"],
         "what": {
             "target": target_path,

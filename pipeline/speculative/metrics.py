@@ -64,3 +64,17 @@ def speedup(stats: dict, baseline: dict) -> float:
 
 def mean_std(values: list[float]) -> dict:
     return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0}
+
+
+def alpha_from_tau(tau: float, k: int) -> float:
+    """The i.i.d. acceptance rate whose expected round length (1 − α^(K+1)) / (1 − α) is the measured τ.
+
+    Accepted/drafted (alpha above) also counts the drafts after a round's first rejection, which are never
+    checked, so it understates the formula's α when acceptances cluster; this one makes the formula's
+    token term match what was measured, leaving only its cost model to test.
+    """
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if sum(mid**i for i in range(k + 1)) < tau else (low, mid)
+    return (low + high) / 2
