@@ -153,7 +153,7 @@ def train(
 
     if accelerator.state.deepspeed_plugin is not None:  # DeepSpeed sizes its buffers by batch; it sees no DataLoader
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = local_batch
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, fused=True)
     model, optimizer = accelerator.prepare(model, optimizer)
     # Not prepared: accelerate would step a scheduler once per process; it steps once per optimizer step here.
     scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(tc.warmup_ratio * total_steps), total_steps)
