@@ -67,8 +67,11 @@ eval: install ## stage 4: acceptance and measured speedup against the target
 
 all: distill pretrain finetune eval ## the four stages for LANG
 
-demo: ## the local recipe end to end on this CPU (not yet: issue #6)
-	@echo "make demo is not implemented yet (issue #6); run: make all LANG=de-en" >&2; exit 2
+DEMO_LANGS ?= de-en
+demo: install ## the local recipe end to end on this CPU for DEMO_LANGS (default de-en), then the result table
+	@started=$$(date +%s); \
+	for pair in $(DEMO_LANGS); do $(MAKE) --no-print-directory all RECIPE=local LANG_PAIR=$$pair ARGS="$(ARGS)" || exit 1; done; \
+	$(PY) -m pipeline.demo --started $$started $(DEMO_LANGS) $(foreach a,$(ARGS),--override $(a))
 
 BENCH ?=
 bench: install ## benchmarks (not tests), results in runs/bench/NAME.json; BENCH=NAME runs one

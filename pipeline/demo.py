@@ -1,0 +1,70 @@
+"""The end of ``make demo``: gather the eval stages of the demo's language pairs into
+``runs/demo-summary.json`` and print the result table with the paths of the reports and plots.
+
+    python -m pipeline.demo [--started UNIX_TIME] PAIR [PAIR ...] [-- key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from pipeline import report
+from pipeline.config import ConfigError, compose_config
+from pipeline.rundir import stage_dir
+
+RECIPE = "local"
+
+
+def summary_of(metrics: dict) -> dict:
+    """{"T0": {"speedup", "tau", "alpha"}, "T1": ...} of the speculative method on the pair it was trained on."""
+    results = metrics["results"][metrics["trained_on"]]
+    out = {}
+    for t_key, result in results.items():  # "T=0.0", "T=1.0"
+        spec = result["summary"]["speculative"]
+        out[f"T{float(t_key.split('=')[1]):g}"] = {key: spec[key]["mean"] for key in ("speedup", "tau", "alpha")}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.demo", description=__doc__.splitlines()[0])
+    parser.add_argument("pairs", nargs="+")
+    parser.add_argument("--started", type=float, help="when the demo started (seconds since the epoch)")
+    parser.add_argument("--override", action="append", default=[], help="key=value, as given to the stages")
+    args = parser.parse_args(argv)
+    summary, sections = {}, []
+    try:
+        for pair in args.pairs:
+            cfg = compose_config([f"recipe={RECIPE}", f"lang={pair}", *args.override])
+            eval_dir = stage_dir(cfg, "eval", check_inputs=False).path
+            if not (eval_dir / "COMPLETE").exists():
+                raise ConfigError(f"{eval_dir} is not complete; run `make all LANG={pair}` first")
+            metrics = json.loads((eval_dir / "metrics.json").read_text())
+            summary[pair] = summary_of(metrics)
+            header = ["method", *[f"{p} {t}" for p, t in report.columns(metrics)]]
+            sections += [report.table(report.speedup_table(metrics), header), "",
+                         f"report: {eval_dir / 'report.md'}",
+                         f"plots:  {eval_dir / 'speedup.png'}, {eval_dir / 'acceptance.png'}", ""]
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(cfg.paths.runs_dir) / "demo-summary.json"
+    if args.started:
+        summary["wall_time_s"] = round(time.time() - args.started)
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    print("\n".join(sections))
+    for pair in args.pairs:
+        line = ", ".join(f"{t}: speedup {m['speedup']:.2f}x, tau {m['tau']:.2f}, alpha {m['alpha']:.2f}"
+                         for t, m in summary[pair].items())
+        print(f"{pair} speculative (ours) — {line}")
+    if args.started:
+        print(f"demo wall time: {summary['wall_time_s'] / 60:.1f} min")
+    print(f"-> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
