@@ -40,7 +40,7 @@ run_session() {
 run_requeueable() {
     local status=0 time_up="" signal=TERM
     [[ $1 == srun ]] && signal=USR1
-    trap 'echo "time limit near: stopping the stage to requeue"; time_up=1; kill -$signal "$session"' USR1
+    trap 'echo "time limit near: stopping the stage to requeue"; time_up=1; kill -$signal "$session" || true' USR1
     run_session "$@" || status=$?
     trap - USR1
     if [[ -n $time_up && $status -ne 0 ]]; then
