@@ -70,7 +70,7 @@ class VLLMServer:
         self.dtype, self.max_model_len, self.preferred_port = dtype, max_model_len, port
         self.cpu_kvcache_gb, self.extra_args, self.startup_timeout_s = cpu_kvcache_gb, list(extra_args), startup_timeout_s
         self.chat_template, self.enforce_eager = chat_template, enforce_eager
-        self.api_key = secrets.token_urlsafe(24)
+        self.api_key = secrets.token_hex(24)  # hex: a key starting with "-" would read as an option to vLLM
         self.process: subprocess.Popen | None = None
         self.port: int | None = None
         self._previous_sigterm = None
