@@ -21,11 +21,11 @@ else
 import os, sys
 from omegaconf import OmegaConf
 from pipeline.config import compose_config
-from pipeline.training.launch import accelerate_command
+from pipeline.training.launch import accelerate_command, launch_env
 stage, config_file, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
 cfg = compose_config(overrides)
 OmegaConf.save(cfg, config_file, resolve=True)
 command = accelerate_command(cfg, stage, config_file)
-os.execv(command[0], command)
+os.execve(command[0], command, launch_env())
 ' "$stage" "${TMPDIR:-/tmp}/specdraft-$SLURM_JOB_ID-$stage-node$SLURM_NODEID.yaml" "$@"
 fi

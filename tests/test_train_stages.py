@@ -129,7 +129,7 @@ def test_two_process_accelerate_launch_matches_one_process(pretrained, tmp_path)
     # Each step's global batch is split over the two gloo processes: same data, same loss up to float sums.
     assert losses(path) == pytest.approx(losses(reference), rel=1e-4)
     counts = json.loads((path / "manifest.json").read_text())["counts"]
-    assert counts["tokens_seen"] == 20 * 4 * 128
+    assert counts["processes"] == 2 and counts["tokens_seen"] == 20 * 4 * 128  # a real 2-rank gloo group
     two = AutoModelForCausalLM.from_pretrained(path / "drafter").state_dict()
     one = AutoModelForCausalLM.from_pretrained(reference / "drafter").state_dict()
     assert all(torch.allclose(two[name], one[name], atol=1e-4) for name in one)

@@ -66,6 +66,14 @@ def accelerate_command(cfg: DictConfig, stage: str, config_file: Path) -> list[s
     ]
 
 
+def launch_env() -> dict[str, str]:
+    """Without CUDA, the workers train on CPU in a gloo group. accelerate's own MULTI_CPU mode would need
+    mpirun; its multi-GPU launcher (torchrun) with ACCELERATE_USE_CPU=1 forms the group instead."""
+    import torch
+
+    return os.environ | ({} if torch.cuda.is_available() else {"ACCELERATE_USE_CPU": "1"})
+
+
 def run_training(cfg: DictConfig, stage: str, directory: StageDir, tracker: Tracker) -> dict:
     """The stage's ``run``: train here or under accelerate launch; returns the manifest counts."""
     module = importlib.import_module(f"pipeline.stages.{stage}")
@@ -78,7 +86,7 @@ def run_training(cfg: DictConfig, stage: str, directory: StageDir, tracker: Trac
     logged_before = len(read_metrics(directory.path))
     (directory.path / SUMMARY).unlink(missing_ok=True)
     # Its own session, so a preemption signal reaches every worker exactly once, from here.
-    child = subprocess.Popen(accelerate_command(cfg, stage, config_file), start_new_session=True)
+    child = subprocess.Popen(accelerate_command(cfg, stage, config_file), env=launch_env(), start_new_session=True)
     received = []
 
     def forward(signum, frame):
@@ -103,7 +111,11 @@ def run_training(cfg: DictConfig, stage: str, directory: StageDir, tracker: Trac
 def main(argv: list[str]) -> None:
     """One process of ``accelerate launch``: ``python -m pipeline.training.launch STAGE CONFIG_YAML``."""
     from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
 
+    # The process state is created once and shared: make it the CPU group's before the stage asks for it
+    # (a plain PartialState() on a CPU-only machine would make every worker a lone process).
+    PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
     stage, config_file = argv
     cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(config_file))
     directory = stage_dir(cfg, stage, check_inputs=False)

@@ -245,7 +245,8 @@ def train(
     bar.close()
     wall = time.time() - started
     run_tokens = int(accelerator.reduce(local_inputs, "sum").item())
-    summary = {"steps": step, "tokens_seen": tokens_before + run_tokens, "final_loss": last_loss,
+    summary = {"steps": step, "processes": accelerator.num_processes, "tokens_seen": tokens_before + run_tokens,
+               "final_loss": last_loss,
                "train_time_s": round(wall, 1), "tokens_per_s": round(run_tokens / max(wall, 1e-9), 1)}
     return TrainResult(accelerator, model, summary)
 
