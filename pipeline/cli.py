@@ -20,25 +20,12 @@ from pipeline.serving.server import ServingError
 from pipeline.tracking import stage_tracker
 
 COMMANDS = (*STAGES, "config", "prepare")
-# Issue that implements each stage, for the message a not-yet-implemented stage gives.
-STAGE_ISSUES = {"distill": 4, "pretrain": 5, "finetune": 5, "eval": 3}
 USER_ERRORS = (ConfigError, StageInputError, StageConflictError, ModelNotFoundError, FileNotFoundError, TokenizerMismatchError,
                ServingError)
 
 
-def stage_module(stage: str):
-    try:
-        return importlib.import_module(f"pipeline.stages.{stage}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"pipeline.stages.{stage}":
-            raise
-        raise NotImplementedError(
-            f"stage '{stage}' is not implemented yet (tracked in issue #{STAGE_ISSUES[stage]})"
-        ) from None
-
-
 def run_stage(stage: str, cfg: DictConfig) -> None:
-    module = stage_module(stage)
+    module = importlib.import_module(f"pipeline.stages.{stage}")
     directory = stage_dir(cfg, stage)
     if not directory.begin(cfg, force=cfg.force):
         print(f"{stage}: {directory.path} is complete for this config; skipping (force=true redoes it)")
@@ -73,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             prepare(cfg)
         else:
             run_stage(command, cfg)
-    except (*USER_ERRORS, NotImplementedError) as exc:
+    except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
