@@ -68,6 +68,7 @@ def test_loss_falls_on_a_tiny_corpus(tmp_path):
 def test_interrupted_then_resumed_run_reproduces_the_losses_exactly(tmp_path):
     tc = train_config(max_steps=12, grad_accum=2, save_every=5)
     examples = counting_examples(n=20)  # 5 steps per epoch: the resume crosses an epoch boundary
+    handler_before = signal.getsignal(signal.SIGTERM)  # not SIG_DFL when a session fixture installed its own
     uninterrupted = run(tc, examples, tmp_path / "a")
 
     def preempt(step):
@@ -79,7 +80,7 @@ def test_interrupted_then_resumed_run_reproduces_the_losses_exactly(tmp_path):
     # The signal arrived after step 7's stop check: the loop finishes step 8, checkpoints and stops.
     assert stopped.value.code == loop.EXIT_PREEMPTED and stopped.value.step == 8
     assert loop.latest_checkpoint(tmp_path / "b").name == "step-00000008"
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone after training
+    assert signal.getsignal(signal.SIGTERM) is handler_before  # training restored the previous handler
 
     resumed = run(tc, examples, tmp_path / "b", model=tiny_model(seed=1))  # the checkpoint's weights win
     assert sorted(resumed) == list(range(1, 13))
