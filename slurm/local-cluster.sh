@@ -64,7 +64,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$dir/munge-socket/munge.socket
+# cred_expire: a requeued job may start again cred_expire + 1 s after its previous run (default 120 s);
+# starting it earlier by hand races the revoked credential of that run and fails the job.
+AuthInfo=socket=$dir/munge-socket/munge.socket,cred_expire=30
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool/%n
 SlurmctldPidFile=$dir/run/slurmctld.pid

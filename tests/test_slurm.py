@@ -53,6 +53,11 @@ class Cluster:
         assert len(tasks) == 1, f"job {job_id}[{array_index}]: {len(tasks)} tasks"
         return tasks[0]
 
+    def daemon_logs(self) -> str:
+        """The end of slurmctld's and every slurmd's log: why Slurm failed a job that printed nothing."""
+        return "\n".join(f"== {p.name}\n" + "\n".join(p.read_text().splitlines()[-15:])
+                         for p in sorted((self.directory / "log").glob("slurm*.log")))
+
     def wait_until_idle(self, timeout_s: float, log_dir: Path) -> None:
         deadline = time.monotonic() + timeout_s
         while self.run("squeue", "--noheader", "--format=%i").strip():
@@ -109,12 +114,11 @@ def chain(cluster, tmp_path_factory):
     checkpoints = stage_dir(cfg, "pretrain", check_inputs=False).path / "checkpoints"
     wait_for_checkpoint(cluster, ids["pretrain"], checkpoints, pretrain_log)
     cluster.run("scancel", "--batch", "--signal=USR1", ids["pretrain"])
-    # A requeued job waits 120 s before it may start again; an admin's `starttime=now` skips that.
+    # The requeued job starts again on its own, cred_expire + 1 s later (local-cluster.sh sets 30 s).
     deadline = time.monotonic() + 120
     while cluster.task(ids["pretrain"])["Restarts"] == "0":
         assert time.monotonic() < deadline, f"pretrain was not requeued:\n{pretrain_log.read_text()[-2000:]}"
         time.sleep(1)
-    cluster.run("scontrol", "update", f"jobid={ids['pretrain']}", "starttime=now")
     cluster.wait_until_idle(CHAIN_TIMEOUT_S, log_dir)
     return {"ids": ids, "runs_dir": runs_dir, "log_dir": log_dir, "overrides": overrides, "cfg": cfg}
 
@@ -125,7 +129,8 @@ def test_chain_runs_every_stage_in_dependency_order(cluster, chain):
     jobs = {stage: cluster.task(ids[stage], None if stage == "pretrain" else 0) for stage in STAGES}
     for stage, job in jobs.items():
         log = next(log_dir.glob(f"{stage}-{ids[stage]}*.out"))
-        assert job["JobState"] == "COMPLETED", f"{stage}: {job['JobState']}\n{log.read_text()[-2000:]}"
+        assert job["JobState"] == "COMPLETED", (
+            f"{stage}: {job['JobState']}\n{log.read_text()[-2000:]}\n{cluster.daemon_logs()}")
         assert "lang=de-en" in log.read_text()
     # ISO timestamps compare as strings; a job starts no earlier than the jobs it depends on end.
     assert jobs["distill"]["EndTime"] <= jobs["finetune"]["StartTime"]
@@ -140,7 +145,7 @@ def test_chain_runs_every_stage_in_dependency_order(cluster, chain):
 
 def test_pretrain_requeued_at_its_time_limit_resumes_from_its_checkpoint(cluster, chain):
     job = cluster.task(chain["ids"]["pretrain"])
-    assert (job["JobState"], job["Restarts"]) == ("COMPLETED", "1")
+    assert (job["JobState"], job["Restarts"]) == ("COMPLETED", "1"), cluster.daemon_logs()
     # Both runs' output: submit.sh opens logs with --open-mode=append.
     log = (chain["log_dir"] / f"pretrain-{chain['ids']['pretrain']}.out").read_text()
     assert "time limit near" in log and "requeueing job" in log
