@@ -191,6 +191,9 @@ class TrainConfig:
 class FinetuneConfig(TrainConfig):
     mode: FinetuneMode = FinetuneMode.pretrain_finetune
     loss: Loss = Loss.ce
+    # P-F with a reduced vocabulary: re-point the pretrained map's ids unused by this pair's data at the
+    # data's frequent unmapped ids (pipeline/models/drafter.py specialize_vocab)
+    specialize_vocab: bool = True
 
 
 @dataclass

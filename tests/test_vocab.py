@@ -37,3 +37,23 @@ def test_tokenizer_gate(smollm_path, gemma_path):
     check_tokenizers(AutoTokenizer.from_pretrained(smollm_path), smollm)
     with pytest.raises(TokenizerMismatchError, match="build the drafter with the target's tokenizer"):
         check_tokenizers(AutoTokenizer.from_pretrained(gemma_path), smollm)
+
+
+def test_specialize_repoints_unused_ids_at_the_new_corpus_frequent_ones():
+    vocab = VocabMap(torch.tensor([0, 5, 6, 7, 8]), 12)  # ordered by pretraining frequency
+    counts = torch.zeros(12, dtype=torch.long)
+    counts[[0, 5, 8]] = 10  # still used: 0 (special), 5, 8
+    counts[[9, 10, 11]] = torch.tensor([7, 1, 30])  # unmapped; 10 is seen once only
+    special, rows = vocab.specialize(counts, always=[0])
+    # rows of 7 then 6 (unused, rarest first) now stand for 11 then 9; 10 is too rare
+    assert rows.tolist() == [3, 2]
+    assert special.target_ids.tolist() == [0, 5, 9, 11, 8]
+    assert special.coverage(counts) > vocab.coverage(counts)
+    assert special.encode(torch.tensor([11, 9, 7])).tolist() == [3, 2, special.unk_id]
+
+
+def test_specialize_never_repoints_special_ids():
+    vocab = VocabMap(torch.tensor([0, 1, 2]), 6)
+    counts = torch.tensor([0, 0, 0, 5, 5, 5])
+    special, rows = vocab.specialize(counts, always=[0, 1])
+    assert special.target_ids.tolist()[:2] == [0, 1] and rows.tolist() == [2]

@@ -32,6 +32,17 @@ def reduced_vocab(drafter: DictConfig, counts: torch.Tensor, tokenizer) -> Vocab
     return VocabMap.most_frequent(counts, drafter.reduced_vocab, always=tokenizer.all_special_ids)
 
 
+def specialize_vocab(model: PreTrainedModel, vocab: VocabMap, counts: torch.Tensor, tokenizer) -> VocabMap:
+    """A pretrained reduced-vocab drafter adapted to its finetuning data: its rows for ids that data never
+    uses are re-pointed at the data's frequent unmapped ids (``VocabMap.specialize``) and restart from the
+    mean embedding. Pretraining counts English; a language pair's prompts and answers need other tokens."""
+    specialized, rows = vocab.specialize(counts, always=tokenizer.all_special_ids)
+    with torch.no_grad():
+        for weight in {model.get_input_embeddings().weight, model.get_output_embeddings().weight}:  # one if tied
+            weight[rows] = weight[: vocab.unk_id].mean(0)
+    return specialized
+
+
 def init_drafter(drafter: DictConfig, target_path: str, vocab: VocabMap | None, seed: int) -> PreTrainedModel:
     """A randomly initialised drafter of the configured shape, on the target's (or the reduced) vocabulary."""
     target_config = AutoConfig.from_pretrained(target_path)

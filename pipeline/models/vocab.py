@@ -69,6 +69,23 @@ class VocabMap:
         keep = always + [int(i) for i in order[: size + len(always)] if int(i) not in always]
         return cls(torch.tensor(keep[:size]), counts.numel())
 
+    def specialize(self, counts: torch.Tensor, always: Iterable[int] = (), min_count: int = 2) -> tuple["VocabMap", torch.Tensor]:
+        """This map adapted to a new corpus (``counts``, a (V,) histogram): the mapped ids the corpus never
+        uses, rarest first (the map is ordered by frequency), stand instead for its most counted unmapped ids
+        (at least ``min_count`` occurrences). Returns the new map and the drafter rows that changed meaning."""
+        mapped = self.to_drafter != self.unk_id
+        wanted = torch.argsort(torch.where(mapped, 0, counts), descending=True, stable=True)
+        wanted = wanted[counts[wanted] >= min_count]
+        wanted = wanted[~mapped[wanted]]
+        protected = torch.zeros(self.target_vocab_size, dtype=torch.bool)
+        protected[list(always)] = True
+        unused = torch.nonzero((counts[self.target_ids] == 0) & ~protected[self.target_ids]).flatten().flip(0)
+        n = min(len(wanted), len(unused))
+        rows = unused[:n]
+        target_ids = self.target_ids.clone()
+        target_ids[rows] = wanted[:n]
+        return VocabMap(target_ids, self.target_vocab_size), rows
+
     def save(self, folder: str | Path) -> None:
         payload = {"target_vocab_size": self.target_vocab_size, "target_ids": self.target_ids.tolist()}
         (Path(folder) / VOCAB_MAP).write_text(json.dumps(payload))

@@ -3,7 +3,8 @@
 Each distilled record becomes the exact sequence the target saw and produced (prompt as built by
 ``build_prompt``, response, then its stop string or EOS); the loss is on the response and stop
 only. All temperatures are mixed. P-F starts from the pretrain stage's drafter (and its vocabulary
-map); F-only from random init, with a reduced vocabulary counted on the finetuning data.
+map, whose ids this pair's data never uses are re-pointed at its frequent unmapped ids); F-only from
+random init, with a reduced vocabulary counted on the finetuning data.
 ``loss=kd_forward_kl|kd_total_variation`` trains toward the target's stored top-k logprobs
 (``distill.top_logprobs=K``) instead of its sampled tokens, where they are known.
 """
@@ -14,7 +15,7 @@ from omegaconf import DictConfig
 from transformers import AutoConfig
 
 from pipeline.config import FinetuneMode, Loss
-from pipeline.models.drafter import build_drafter, load_drafter, reduced_vocab
+from pipeline.models.drafter import build_drafter, load_drafter, reduced_vocab, specialize_vocab
 from pipeline.models.provision import load_tokenizer, model_path
 from pipeline.rundir import StageDir, StageInputError, make_command
 from pipeline.tracking import Tracker
@@ -51,6 +52,8 @@ def train(cfg: DictConfig, directory: StageDir, log: MetricsLog) -> dict:
     if tc.mode == FinetuneMode.finetune_only:
         counts = token_counts(examples, AutoConfig.from_pretrained(target_path).vocab_size)
         model, vocab = build_drafter(cfg.drafter, target_path, reduced_vocab(cfg.drafter, counts, tokenizer), cfg.seed)
+    elif vocab is not None and tc.specialize_vocab:
+        vocab = specialize_vocab(model, vocab, token_counts(examples, vocab.target_vocab_size), tokenizer)
 
     counts = loop.train_drafter(tc, model, vocab, examples, tokenizer, target_path, directory.path, log, cfg.seed)
     if strings is not None:
