@@ -218,6 +218,9 @@ class EvalConfig:
     methods: list[str] = field(default_factory=lambda: ["target", "speculative", "pld", "hf", "hf_assisted"])
     drafter_path: Optional[str] = None  # any HF folder instead of the finetune stage's drafter
     matrix_langs: list[str] = field(default_factory=list)  # cross-language: evaluate on these pairs too
+    # language router: a `mixed` set of these pairs' held-out prompts, each drafted by the finetuned drafter
+    # of its detected source language, against the one eval drafter for all
+    router_langs: list[str] = field(default_factory=list)
     engine: str = "transformers"  # transformers | vllm
 
 
@@ -367,11 +370,15 @@ def validate(cfg: DictConfig) -> None:
             problems.append(f"train.{name}.launch '{tc.launch}' unknown; valid: {', '.join(launches)}")
     if cfg.eval.engine not in ("transformers", "vllm"):
         problems.append("eval.engine must be transformers or vllm")
-    eval_methods = ("target", "speculative", "pld", "hf", "hf_assisted")
+    eval_methods = ("target", "speculative", "pld", "hf", "hf_assisted", "router")
     if unknown := [m for m in cfg.eval.methods if m not in eval_methods]:
         problems.append(f"eval.methods: unknown {', '.join(unknown)}; valid: {', '.join(eval_methods)}")
-    if unknown := [p for p in cfg.eval.matrix_langs if p not in options("lang")]:
-        problems.append(f"eval.matrix_langs: unknown {', '.join(unknown)}; valid: {', '.join(options('lang'))}")
+    for key in ("matrix_langs", "router_langs"):
+        if unknown := [p for p in cfg.eval[key] if p not in options("lang")]:
+            problems.append(f"eval.{key}: unknown {', '.join(unknown)}; valid: {', '.join(options('lang'))}")
+    sources = [p.split("-")[0] for p in cfg.eval.router_langs]
+    if cfg.eval.router_langs and (len(sources) < 2 or len(set(sources)) < len(sources)):
+        problems.append("eval.router_langs needs two or more pairs with different source languages, e.g. [de-en,fr-en]")
     if problems:
         raise ConfigError("; ".join(problems))
 

@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 METHOD_NAMES = {"target": "target only", "speculative": "speculative (ours)", "pld": "prompt lookup (PLD)",
-                "hf": "HF generate", "hf_assisted": "HF assisted"}
+                "hf": "HF generate", "hf_assisted": "HF assisted", "router": "language router"}
 
 
 def cell(summary: dict, key: str, fmt: str = "{:.2f}") -> str:
@@ -51,7 +51,9 @@ def speedup_table(metrics: dict, label: str = "") -> list[tuple[str, list[str]]]
 def stage_report(metrics: dict) -> str:
     header = ["method", *[f"{pair} {t}" for pair, t in columns(metrics)]]
     acceptance = []
-    for method in ("speculative", "pld"):
+    for method in ("speculative", "pld", "router"):
+        if not any(method in metrics["results"][p][t]["summary"] for p, t in columns(metrics)):
+            continue
         for key, name in (("alpha", "α"), ("tau", "τ")):
             acceptance.append((f"{METHOD_NAMES[method]} {name}",
                                [cell(metrics["results"][p][t]["summary"].get(method, {}), key) for p, t in columns(metrics)]))
@@ -84,6 +86,11 @@ def stage_report(metrics: dict) -> str:
                                    f"{s['predicted_speedup']:.2f}×"]) for k, s in sweep["per_k"].items()],
                         ["K", "α", "τ", "measured speedup", "predicted speedup"]),
                   "", f"Best K: {sweep['best_k_measured']} measured, {sweep['best_k_predicted']} by the formula."]
+    if router := metrics.get("router"):
+        lines += ["", f"Language router over {', '.join(router['langs'])} (column `mixed`): "
+                      + "; ".join(f"{pair} prompts → " + ", ".join(f"{lang} ×{n}" for lang, n in picked.items())
+                                  for pair, picked in router["routed"].items())
+                      + f"; {router['accuracy']:.0%} sent to their own pair's drafter."]
     lossless = metrics["lossless"]
     lines += ["", f"Greedy outputs checked token by token against the target's: {lossless['greedy_prompts_checked']} "
                   f"prompts, {len(lossless['mismatches'])} mismatches.", ""]

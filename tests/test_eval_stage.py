@@ -86,3 +86,55 @@ def test_matrix_langs_are_checked_and_switch_the_language(ci_cfg):
         compose_config(["recipe=ci", "eval.matrix_langs=[fr-en,xx-en]"])
     with pytest.raises(ConfigError, match="eval.methods: unknown beam"):
         compose_config(["recipe=ci", "eval.methods=[target,beam]"])
+
+
+def finetuned(cfg, folder_for_drafter) -> None:
+    """Mark ``cfg``'s finetune stage complete with the given drafter folder (what `make finetune` leaves)."""
+    from pipeline.rundir import stage_dir
+
+    directory = stage_dir(cfg, "finetune", check_inputs=False)
+    assert directory.begin(cfg)
+    folder_for_drafter(directory.path / "drafter")
+    directory.finish(cfg, {})
+
+
+@pytest.mark.slow
+def test_language_router_drafts_each_prompt_with_its_languages_drafter(ci_drafter, smollm_path, runs_dir):
+    """de-en's finetuned drafter is a random tiny one (the one-for-all drafter too), fr-en's is the target
+    itself: routed by language, every French prompt is drafted perfectly (α = 1) and every German one is
+    not, while the output stays the target's."""
+    import shutil
+
+    from pipeline.stages.eval import MIXED, lang_config
+
+    base = ["recipe=ci", f"paths.runs_dir={runs_dir}", "eval.temperatures=[0.0]", "eval.num_prompts=4",
+            "eval.methods=[target,speculative]", "eval.k_sweep=[4]"]
+    cfg = compose_config(base)
+    finetuned(cfg, lambda folder: shutil.copytree(ci_drafter, folder))
+    finetuned(lang_config(cfg, "fr-en"), lambda folder: folder.symlink_to(smollm_path, target_is_directory=True))
+
+    assert cli.main(["eval", *base, f"eval.drafter_path={ci_drafter}", "eval.router_langs=[de-en,fr-en]"]) == 0
+    out = next(runs_dir.glob("**/de-en/eval"))
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["router"]["routed"] == {"de-en": {"de": 2}, "fr-en": {"fr": 2}}
+    assert metrics["router"]["accuracy"] == 1.0 and metrics["lossless"]["mismatches"] == []
+    rows = [json.loads(line) for line in (out / "samples.jsonl").open()]
+    mixed = [r for r in rows if r["lang"] == MIXED]
+    assert [r["source_pair"] for r in mixed] == ["de-en", "fr-en"] * 2
+    for row in mixed:
+        router = row["methods"]["router"]
+        assert router["output"] == row["methods"]["target"]["output"]
+        fully_accepted = all(n == 4 for n in router["accept_lengths"][:-1])  # the last round may stop early
+        assert fully_accepted == (row["routed_to"] == "fr"), row
+    router_alpha = metrics["results"][MIXED]["T=0.0"]["summary"]["router"]["alpha"]["mean"]
+    assert router_alpha > metrics["results"][MIXED]["T=0.0"]["summary"]["speculative"]["alpha"]["mean"]
+    assert "language router" in (out / "report.md").read_text()
+
+
+def test_router_langs_are_checked(ci_cfg, runs_dir, capsys):
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match="two or more pairs with different source languages"):
+        compose_config(["recipe=ci", "eval.router_langs=[de-en]"])
+    with pytest.raises(ConfigError, match="eval.router_langs: unknown xx-en"):
+        compose_config(["recipe=ci", "eval.router_langs=[de-en,xx-en]"])

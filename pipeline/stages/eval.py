@@ -8,6 +8,9 @@ max_new_tokens, stop strings and seeds, interleaved prompt by prompt so machine 
 - ``pld``: prompt-lookup decoding, n-gram drafts from the context, no model (the paper's PLD row)
 - ``hf`` / ``hf_assisted``: transformers' generate, plain and with the drafter as assistant_model (K
   drafts per round, constant schedule, no confidence cut); assisted needs a full-vocabulary drafter
+- ``router`` (with ``eval.router_langs``): on a ``mixed`` set of those pairs' held-out prompts, each
+  prompt drafted by the finetuned drafter of its detected source language (pipeline/speculative/router.py),
+  against ``speculative`` with the one drafter for all
 
 Writes metrics.json (metrics defined in pipeline/speculative/metrics.py, per language, temperature and
 seed, plus mean ± std over seeds), samples.jsonl, report.md and PNG plots. At T=0 the speculative and
@@ -33,6 +36,7 @@ from pipeline.data.sources import load_sources
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.prompts import build_prompt
+from pipeline.rundir import StageInputError, make_command, stage_dir
 from pipeline.speculative.engine import (
     CachedModel,
     ModelDrafter,
@@ -44,9 +48,11 @@ from pipeline.speculative.engine import (
     step_costs,
 )
 from pipeline.speculative.metrics import mean_std, measure, method_stats, speedup, timed
+from pipeline.speculative.router import LanguageRouter
 from pipeline.speculative.sampler import Sampling
 
-METHODS = ("target", "speculative", "pld", "hf", "hf_assisted")
+METHODS = ("target", "speculative", "pld", "hf", "hf_assisted", "router")
+MIXED = "mixed"  # the router's prompt set: held-out prompts of every eval.router_langs pair
 SUMMARY_KEYS = ("speedup", "tokens_per_s", "alpha", "tau", "predicted_speedup")
 
 
@@ -82,7 +88,7 @@ def eos_ids(tokenizer, model) -> list[int]:
 class Decoders:
     """Every method's decoder over the same target, drafter and stop condition."""
 
-    def __init__(self, cfg: DictConfig, target_model, drafter_model, vocab_map, tokenizer):
+    def __init__(self, cfg: DictConfig, target_model, drafter_model, vocab_map, tokenizer, router_drafters: dict):
         self.cfg = cfg
         self.target_model, self.drafter_model = target_model, drafter_model
         self.target = CachedModel(target_model)
@@ -90,26 +96,31 @@ class Decoders:
         self.pld = PromptLookupDrafter(target_model.config.vocab_size)
         self.stop = StopCondition(tokenizer, cfg.target.stop, eos_ids(tokenizer, target_model))
         self.hf_assisted = vocab_map is None  # transformers' assistant must share the target's vocabulary
+        self.router = LanguageRouter(
+            {src: ModelDrafter(model.eval(), vocab) for src, (model, vocab) in router_drafters.items()}, self.drafter)
 
-    def variants(self, first_pass: bool) -> list[tuple[str, str, int]]:
-        """(name, method, K) to run; the K sweep only in the first (T=0, first seed) pass."""
+    def variants(self, first_pass: bool, pair: str) -> list[tuple[str, str, int]]:
+        """(name, method, K) to run; the K sweep only in the first (T=0, first seed) pass; the router
+        only on the mixed set."""
         ev = self.cfg.eval
-        chosen = [m for m in METHODS if m == "target" or m in ev.methods]
+        chosen = [m for m in METHODS if m == "target" or m in ev.methods or (m == "router" and pair == MIXED)]
         if not self.hf_assisted and "hf_assisted" in chosen:
             chosen.remove("hf_assisted")
+        if pair != MIXED and "router" in chosen:
+            chosen.remove("router")
         out = [(m, m, ev.num_draft_tokens) for m in chosen]
         if first_pass and "speculative" in chosen:
             out += [(f"speculative_k{k}", "speculative", k) for k in ev.k_sweep if k != ev.num_draft_tokens]
         return out
 
-    def decode(self, method: str, k: int, ids: torch.Tensor, sampling: Sampling, seed: int):
+    def decode(self, method: str, k: int, ids: torch.Tensor, sampling: Sampling, seed: int, routed=None):
         ev = self.cfg.eval
         g = torch.Generator().manual_seed(seed)
         if method in ("hf", "hf_assisted"):
             assistant = self.drafter_model if method == "hf_assisted" else None
             return timed(lambda: hf_generate(self.target_model, ids, ev.max_new_tokens, self.stop, sampling, seed,
                                              assistant=assistant, k=k))
-        drafter = {"target": None, "speculative": self.drafter, "pld": self.pld}[method]
+        drafter = {"target": None, "speculative": self.drafter, "pld": self.pld, "router": routed}[method]
         return generate(self.target, ids, ev.max_new_tokens, self.stop, sampling, drafter=drafter, k=k, generator=g)
 
 
@@ -122,18 +133,19 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
     if not Path(drafter_path).is_dir():
         raise FileNotFoundError(f"drafter folder {drafter_path} does not exist; set eval.drafter_path to an HF folder")
     drafter_model, vocab_map = load_drafter(drafter_path, target_path)  # the tokenizer gate, before the target loads
+    router_drafters = {lang_config(cfg, pair).lang.src: load_drafter(finetuned_drafter(cfg, pair), target_path)
+                       for pair in ev.router_langs}
     tokenizer = load_tokenizer(target_path)
     target_model = load_model(target_path, cfg.target.dtype)
-    decoders = Decoders(cfg, target_model, drafter_model.eval(), vocab_map, tokenizer)
+    decoders = Decoders(cfg, target_model, drafter_model.eval(), vocab_map, tokenizer, router_drafters)
 
     pairs = [cfg.lang.pair, *[p for p in ev.matrix_langs if p != cfg.lang.pair]]
-    prompts = {}
-    for pair in pairs:
-        lang_cfg = lang_config(cfg, pair) if pair != cfg.lang.pair else cfg
-        heldout = load_sources(lang_cfg)[1][: ev.num_prompts]
-        if not heldout:
-            raise ConfigError(f"no held-out prompts for {pair}; raise data.heldout_max or choose another lang")
-        prompts[pair] = [(ex, build_prompt(cfg.target, lang_cfg.lang, ex.src, tokenizer)) for ex in heldout]
+    prompts = {pair: heldout_prompts(cfg, pair, tokenizer) for pair in {*pairs, *ev.router_langs}}
+    source_pair = {ex.id: pair for pair in ev.router_langs for ex, _ in prompts[pair]}
+    if ev.router_langs:  # one prompt of each pair in turn
+        mixed = [p for group in zip(*(prompts[pair] for pair in ev.router_langs)) for p in group]
+        prompts = {pair: prompts[pair] for pair in pairs} | {MIXED: mixed[: ev.num_prompts]}
+        pairs.append(MIXED)
 
     first_ids = tokenizer(prompts[cfg.lang.pair][0][1], return_tensors="pt").input_ids
     ks = sorted({ev.num_draft_tokens, *ev.k_sweep})
@@ -146,25 +158,28 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
         seeds = list(ev.seeds) if temperature > 0 else list(ev.seeds)[:1]  # greedy output does not depend on the seed
         for _ in range(ev.warmup):
             ids = tokenizer(prompts[cfg.lang.pair][0][1], return_tensors="pt").input_ids
-            for _, method, k in decoders.variants(first_pass=True):
+            for _, method, k in decoders.variants(first_pass=True, pair=cfg.lang.pair):
                 decoders.decode(method, k, ids, sampling, seeds[0])
         for pair in pairs:
             per_seed = {}
             for seed_index, seed in enumerate(seeds):
-                variants = decoders.variants(first_pass=temperature == 0 and seed_index == 0)
+                variants = decoders.variants(first_pass=temperature == 0 and seed_index == 0, pair=pair)
                 outputs = {name: [] for name, _, _ in variants}
                 for index, (example, prompt) in enumerate(prompts[pair]):
                     ids = tokenizer(prompt, return_tensors="pt").input_ids
                     prompt_seed = seed * 1_000_003 + index
                     row = {"lang": pair, "temperature": temperature, "seed": seed, "id": example.id, "src": example.src,
                            "ref": example.ref, "prompt": prompt, "methods": {}}
+                    routed_language, routed = decoders.router.route(example.src) if pair == MIXED else (None, None)
+                    if pair == MIXED:
+                        row["source_pair"], row["routed_to"] = source_pair[example.id], routed_language or "fallback"
                     for name, method, k in variants:
-                        out = measure(lambda: decoders.decode(method, k, ids, sampling, prompt_seed), ev.repetitions)
+                        out = measure(lambda: decoders.decode(method, k, ids, sampling, prompt_seed, routed), ev.repetitions)
                         outputs[name].append(out)
                         row["methods"][name] = {"output": decoders.stop.text(out.tokens), "tokens": len(out.tokens),
                                                 "accept_lengths": out.accepted, "drafted": out.drafted,
                                                 "seconds": out.seconds}
-                        if temperature == 0 and method in ("speculative", "pld") and out.tokens != outputs["target"][-1].tokens:
+                        if temperature == 0 and method in ("speculative", "pld", "router") and out.tokens != outputs["target"][-1].tokens:
                             mismatches.append({"lang": pair, "id": example.id, "method": name})
                     samples.append(row)
                 per_seed[seed] = seed_stats(outputs, variants, costs)
@@ -189,6 +204,7 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
         "lossless": {"greedy_prompts_checked": sum(len(p) for p in prompts.values()) if 0 in ev.temperatures else 0,
                      "mismatches": mismatches},
         "hf_assisted": "run" if decoders.hf_assisted else "skipped: reduced-vocabulary drafter",
+        "router": router_summary(cfg, samples) if ev.router_langs else None,
         "environment": environment(),
     }
     out_dir = directory.path
@@ -204,6 +220,38 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
         raise LosslessError(f"{len(mismatches)} greedy outputs differ from the target's own (first: {mismatches[0]}); "
                             f"see {out_dir / 'samples.jsonl'}")
     return {"prompts": sum(len(p) for p in prompts.values()), "languages": len(pairs), "greedy_mismatches": 0}
+
+
+def heldout_prompts(cfg: DictConfig, pair: str, tokenizer) -> list:
+    """(example, prompt as the target sees it) for the first eval.num_prompts held-out sources of ``pair``."""
+    lang_cfg = lang_config(cfg, pair) if pair != cfg.lang.pair else cfg
+    heldout = load_sources(lang_cfg)[1][: cfg.eval.num_prompts]
+    if not heldout:
+        raise ConfigError(f"no held-out prompts for {pair}; raise data.heldout_max or choose another lang")
+    return [(ex, build_prompt(cfg.target, lang_cfg.lang, ex.src, tokenizer)) for ex in heldout]
+
+
+def finetuned_drafter(cfg: DictConfig, pair: str) -> str:
+    """The finetune stage's drafter for ``pair`` under this config (for the router)."""
+    other = lang_config(cfg, pair)
+    finetune = stage_dir(other, "finetune", check_inputs=False)
+    if finetune.recorded_hash() != finetune.config_hash or not finetune.is_complete():
+        raise StageInputError(f"eval.router_langs needs the {pair} drafter of {finetune.path}, which is not complete "
+                              f"for this config: run `{make_command(other, 'finetune')}` first")
+    return str(finetune.path / "drafter")
+
+
+def router_summary(cfg: DictConfig, samples: list[dict]) -> dict:
+    """Where the router sent the mixed prompts (per source pair, the drafter's language it picked) and
+    the share it sent to the drafter of their own pair."""
+    rows = [r for r in samples if r["lang"] == MIXED and r["temperature"] == cfg.eval.temperatures[0]
+            and r["seed"] == cfg.eval.seeds[0]]
+    routed: dict[str, dict[str, int]] = {}
+    for row in rows:
+        counts = routed.setdefault(row["source_pair"], {})
+        counts[row["routed_to"]] = counts.get(row["routed_to"], 0) + 1
+    correct = sum(row["routed_to"] == row["source_pair"].split("-")[0] for row in rows)
+    return {"langs": list(cfg.eval.router_langs), "routed": routed, "accuracy": correct / max(len(rows), 1)}
 
 
 def seed_stats(outputs: dict, variants: list, costs: dict) -> dict:
