@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import REPO_ROOT, FinetuneMode, config_hash, sections
 
@@ -42,6 +42,13 @@ STAGE_SECTIONS = {
     "pretrain": ["target", "drafter", "data", "train.pretrain", "seed"],
     "finetune": ["target", "drafter", "lang", "train.finetune", "seed"],
     "eval": ["target", "drafter", "lang", "eval"],
+}
+
+# Keys inside those sections that do not change a stage's result, so changing them keeps its hash: how
+# often training logs and checkpoints, whether it resumes, and how many processes share each step
+# (``batch_size`` is the global batch, split over the processes: the same data and loss per step).
+RESULT_NEUTRAL = {
+    f"train.{stage}": ("log_every", "save_every", "resume", "launch", "num_processes") for stage in ("pretrain", "finetune")
 }
 
 
@@ -84,6 +91,9 @@ class StageDir:
     path: Path
     config_hash: str
     inputs: dict[str, "StageDir"] = field(default_factory=dict)
+    # The hash as computed before RESULT_NEUTRAL existed: a stage recorded under it is this config's, and
+    # begin() rewrites it to ``config_hash`` instead of refusing it.
+    legacy_hash: str | None = None
 
     @property
     def marker(self) -> Path:
@@ -101,9 +111,15 @@ class StageDir:
             return None
         return json.loads(self.manifest_path.read_text()).get("config_hash")
 
+    def holds_this_config(self) -> bool:
+        return self.recorded_hash() in (self.config_hash, self.legacy_hash)
+
     def begin(self, cfg: DictConfig, force: bool = False) -> bool:
         """Prepare the directory. Returns False when the stage is already complete (skip it)."""
         recorded = self.recorded_hash()
+        if recorded is not None and recorded == self.legacy_hash != self.config_hash and not force:
+            self._adopt_legacy_hash()
+            recorded = self.config_hash
         if recorded is not None and (recorded != self.config_hash or force):
             if not force:
                 state = "complete" if self.is_complete() else "partial"
@@ -120,6 +136,12 @@ class StageDir:
         self.path.mkdir(parents=True, exist_ok=True)
         self._write_manifest(cfg, status="running")
         return True
+
+    def _adopt_legacy_hash(self) -> None:
+        manifest = json.loads(self.manifest_path.read_text())
+        _write_atomic(self.manifest_path, json.dumps(manifest | {"config_hash": self.config_hash}, indent=2) + "\n")
+        if self.is_complete():
+            _write_atomic(self.marker, self.config_hash + "\n")
 
     def finish(self, cfg: DictConfig, counts: dict[str, Any]) -> None:
         self._write_manifest(cfg, status="complete", counts=counts)
@@ -174,10 +196,23 @@ def stage_dir(cfg: DictConfig, stage: str, check_inputs: bool = True) -> StageDi
                     f"{stage} needs the {name} output {upstream.path}, which is not complete: "
                     f"run `{make_command(cfg, name)}` first"
                 )
-            if upstream.recorded_hash() != upstream.config_hash:
+            if not upstream.holds_this_config():
                 raise StageInputError(
                     f"{stage} needs {upstream.path} for the current config, but it was made with another one: "
                     f"run `{make_command(cfg, name)}` with force=true"
                 )
-    digest = config_hash(cfg, STAGE_SECTIONS[stage], {name: d.config_hash for name, d in inputs.items()})
-    return StageDir(stage=stage, path=stage_path(cfg, stage), config_hash=digest, inputs=inputs)
+    digest = config_hash(cfg, hashed_keys(cfg, stage), {name: d.config_hash for name, d in inputs.items()})
+    legacy = config_hash(cfg, STAGE_SECTIONS[stage], {name: d.legacy_hash for name, d in inputs.items()})
+    return StageDir(stage=stage, path=stage_path(cfg, stage), config_hash=digest, inputs=inputs, legacy_hash=legacy)
+
+
+def hashed_keys(cfg: DictConfig, stage: str) -> list[str]:
+    """The config keys a stage's hash covers: its sections, less their RESULT_NEUTRAL keys."""
+    keys = []
+    for key in STAGE_SECTIONS[stage]:
+        neutral = RESULT_NEUTRAL.get(key)
+        if neutral is None:
+            keys.append(key)
+        else:
+            keys.extend(f"{key}.{name}" for name in OmegaConf.select(cfg, key) if name not in neutral)
+    return keys

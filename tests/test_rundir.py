@@ -81,3 +81,41 @@ def test_finetune_only_does_not_need_pretrain(runs_dir):
     distill.begin(cfg)
     distill.finish(cfg, {})
     assert set(stage_dir(cfg, "finetune").inputs) == {"distill"}
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "finetune"])
+def test_training_hash_ignores_how_often_it_logs_checkpoints_and_how_many_processes_run(runs_dir, stage):
+    base = ["recipe=ci", f"paths.runs_dir={runs_dir}"]
+
+    def hashes(*extra):
+        cfg = compose_config([*base, *extra])
+        return {name: stage_dir(cfg, name, check_inputs=False).config_hash for name in ("pretrain", "finetune", "eval")}
+
+    reference = hashes()
+    neutral = [f"train.{stage}.log_every=3", f"train.{stage}.save_every=7", f"train.{stage}.resume=never",
+               f"train.{stage}.launch=ddp-cpu", f"train.{stage}.num_processes=2"]
+    assert hashes(*neutral) == reference  # nor anything downstream
+    for change in (f"train.{stage}.lr=1e-2", f"train.{stage}.batch_size=8", f"train.{stage}.max_steps=21",
+                   f"train.{stage}.grad_accum=2"):
+        assert hashes(change)[stage] != reference[stage], change
+        assert hashes(change)["eval"] != reference["eval"], change
+
+
+def test_stage_recorded_under_the_hash_that_covered_the_neutral_keys_is_kept(ci_cfg):
+    """Stages completed before RESULT_NEUTRAL existed are this config's: skipped and usable, not refused."""
+    pretrain = stage_dir(ci_cfg, "pretrain")
+    assert pretrain.legacy_hash != pretrain.config_hash
+    pretrain.begin(ci_cfg)
+    pretrain.finish(ci_cfg, {"steps": 20})
+    manifest = json.loads(pretrain.manifest_path.read_text())
+    pretrain.manifest_path.write_text(json.dumps(manifest | {"config_hash": pretrain.legacy_hash}))
+    pretrain.marker.write_text(pretrain.legacy_hash + "\n")
+
+    assert stage_dir(ci_cfg, "finetune", check_inputs=False).inputs["pretrain"].holds_this_config()
+    other = compose_config(["recipe=ci", f"paths.runs_dir={pretrain.path.parents[2]}", "train.pretrain.lr=1e-2"])
+    with pytest.raises(StageConflictError):  # another config is still refused
+        stage_dir(other, "pretrain").begin(other)
+    assert pretrain.begin(ci_cfg) is False  # complete: skipped, and recorded under the current hash from now on
+    assert pretrain.recorded_hash() == pretrain.config_hash
+    assert pretrain.marker.read_text().strip() == pretrain.config_hash
+    assert json.loads(pretrain.manifest_path.read_text())["counts"] == {"steps": 20}
