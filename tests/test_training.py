@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -11,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.config import Loss, TrainConfig
+from pipeline.config import ConfigError, Loss, TrainConfig
 from pipeline.models.provision import load_model, load_tokenizer
 from pipeline.models.vocab import VocabMap
 from pipeline.training import loop
@@ -202,3 +203,20 @@ def test_record_carries_the_targets_top_k_aligned_with_its_labels(smollm_path):
     batch = Collator(0, VocabMap(torch.arange(1000), 49152))([example])
     off_map = batch["teacher_ids"] < 0
     assert torch.isinf(batch["teacher_logprobs"][off_map]).all() and not off_map.all()
+
+
+def test_checkpoint_of_another_process_count_resumes_unless_deepspeed_wrote_or_reads_it(tmp_path):
+    tc = train_config(max_steps=2, save_every=1)
+    run(tc, counting_examples(n=8), tmp_path)
+    checkpoint = loop.latest_checkpoint(tmp_path)
+    position = json.loads((checkpoint / loop.STEP_FILE).read_text())
+    assert (position["step"], position["processes"], position["deepspeed"]) == (2, 1, False)
+    # Whole tensors: any number of DDP (or single) processes loads them.
+    loop.check_resumable(checkpoint, position, {"processes": 4, "deepspeed": False, "launch": "ddp"})
+    with pytest.raises(ConfigError, match=r"resume with train\.\w+\.launch=single train\.\w+\.num_processes=1, or start"):
+        loop.check_resumable(checkpoint, position, {"processes": 1, "deepspeed": True, "launch": "deepspeed-zero2"})
+    zero = position | {"processes": 8, "deepspeed": True, "launch": "deepspeed-zero2"}
+    loop.check_resumable(checkpoint, zero, {"processes": 8, "deepspeed": True, "launch": "deepspeed-zero2"})
+    with pytest.raises(ConfigError, match="DeepSpeed ZeRO shards its state by process") as refused:
+        loop.check_resumable(checkpoint, zero, {"processes": 4, "deepspeed": True, "launch": "deepspeed-zero2"})
+    assert "\n" not in str(refused.value) and "num_processes=8" in str(refused.value)

@@ -75,6 +75,30 @@ def save_checkpoint(accelerator: Accelerator, out_dir: Path, position: dict) -> 
     accelerator.wait_for_everyone()
 
 
+def check_resumable(checkpoint: Path, position: dict, writer: dict) -> None:
+    """Refuse, in one line, a checkpoint this launch cannot load.
+
+    Single-process and DDP checkpoints hold whole tensors (model, optimizer, scheduler), so any number
+    of processes resumes them: the global batch and the data position do not depend on the processes,
+    and a rank without a saved RNG state of its own keeps its seeded one (accelerate skips it; the data
+    order never draws from it). DeepSpeed ZeRO partitions the optimizer state over the processes that
+    wrote it, in files of its own: only the same number of DeepSpeed processes loads them.
+    """
+    if "processes" not in position:  # written before checkpoints recorded their writer
+        return
+    saved = {key: position[key] for key in writer}
+    if not (saved["deepspeed"] or writer["deepspeed"]) or (saved["deepspeed"], saved["processes"]) == (
+            writer["deepspeed"], writer["processes"]):
+        return
+    key = f"train.{checkpoint.parent.parent.name}"  # the stage's directory, pretrain or finetune
+    raise ConfigError(
+        f"{checkpoint} was written by {saved['processes']} process(es) with launch={saved['launch']}, which "
+        f"{writer['processes']} process(es) with launch={writer['launch']} cannot load"
+        f"{' (DeepSpeed ZeRO shards its state by process)' if saved['deepspeed'] else ''}: resume with "
+        f"{key}.launch={saved['launch']} {key}.num_processes={saved['processes']}, or start over with {key}.resume=never"
+    )
+
+
 @contextlib.contextmanager
 def preemption_signals():
     """SIGTERM/SIGUSR1 (Slurm preemption) only set a flag: the loop checkpoints at the next step."""
@@ -159,10 +183,13 @@ def train(
     accelerator.register_for_checkpointing(scheduler)
 
     step, tokens_before, last_loss = 0, 0, float("nan")
+    # How the checkpoints are written: whether they can be resumed by another launch (check_resumable).
+    writer = {"processes": world, "deepspeed": accelerator.state.deepspeed_plugin is not None, "launch": tc.launch}
     checkpoint = latest_checkpoint(out_dir) if tc.resume == "auto" else None
     if checkpoint is not None:
-        accelerator.load_state(str(checkpoint))
         position = json.loads((checkpoint / STEP_FILE).read_text())
+        check_resumable(checkpoint, position, writer)
+        accelerator.load_state(str(checkpoint))
         step, tokens_before, last_loss = position["step"], position["tokens_seen"], position["loss"]
         accelerator.print(f"resuming from {checkpoint} (step {step} of {total_steps})")
 
@@ -236,7 +263,7 @@ def train(
                 if accelerator.is_main_process:
                     log(metrics, step)
             if checkpoint_now:
-                save_checkpoint(accelerator, out_dir, {"step": step, "tokens_seen": tokens_seen, "loss": last_loss})
+                save_checkpoint(accelerator, out_dir, {"step": step, "tokens_seen": tokens_seen, "loss": last_loss, **writer})
             if stop:
                 bar.close()
                 accelerator.print(f"preempted: checkpoint at step {step} saved; run the same command again to resume")
