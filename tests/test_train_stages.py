@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from pipeline.training.loop import EXIT_PREEMPTED
 pytestmark = pytest.mark.slow
 
 PRETRAIN = ["train.pretrain.log_every=1"]
+TWO_PROCESSES = ["train.pretrain.launch=ddp-cpu", "train.pretrain.num_processes=2"]  # a real 2-rank gloo group
 
 # German sources and English translations, as the target's distilled answers (real text).
 TRANSLATIONS = [
@@ -52,6 +54,14 @@ def pretrained(tmp_path_factory, smollm_path):
     """One uninterrupted 1-process ci pretrain, logging every step."""
     runs_dir = tmp_path_factory.mktemp("pretrained")
     assert cli(["pretrain", *overrides(runs_dir, *PRETRAIN)]) == 0
+    return runs_dir
+
+
+@pytest.fixture(scope="session")
+def two_processes(tmp_path_factory, smollm_path):
+    """One uninterrupted 2-process ci pretrain (accelerate launch, gloo), logging every step."""
+    runs_dir = tmp_path_factory.mktemp("two-processes")
+    assert cli(["pretrain", *overrides(runs_dir, *PRETRAIN, *TWO_PROCESSES)]) == 0
     return runs_dir
 
 
@@ -120,9 +130,8 @@ def test_preempted_pretrain_exits_incomplete_and_resumes_to_the_same_losses(pret
     assert losses(path) == losses(reference)  # exactly: same weights, optimizer, schedule, data position
 
 
-def test_two_process_accelerate_launch_matches_one_process(pretrained, tmp_path):
-    args = overrides(tmp_path, *PRETRAIN, "train.pretrain.launch=ddp-cpu", "train.pretrain.num_processes=2")
-    assert cli(["pretrain", *args]) == 0
+def test_two_process_accelerate_launch_matches_one_process(pretrained, two_processes):
+    args = overrides(two_processes, *PRETRAIN, *TWO_PROCESSES)
     path = stage_dir(compose_config(args), "pretrain").path
     reference = stage_dir(compose_config(overrides(pretrained)), "pretrain").path
     # Each step's global batch is split over the two gloo processes: same data, same loss up to float sums.
@@ -132,6 +141,59 @@ def test_two_process_accelerate_launch_matches_one_process(pretrained, tmp_path)
     two = AutoModelForCausalLM.from_pretrained(path / "drafter").state_dict()
     one = AutoModelForCausalLM.from_pretrained(reference / "drafter").state_dict()
     assert all(torch.allclose(two[name], one[name], atol=1e-4) for name in one)
+
+
+def start_stage(stage: str, args: list[str], output):
+    """The stage as its own process (``python -m pipeline``), as make and Slurm run it."""
+    return subprocess.Popen([sys.executable, "-m", "pipeline", stage, *args], cwd=REPO_ROOT, stdout=output,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def preempt_after(child, path, steps: int) -> int:
+    """SIGTERM the stage once ``steps`` steps are logged; returns its exit code."""
+    deadline = time.time() + 180
+    while len(read_metrics(path)) < steps and child.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    child.send_signal(signal.SIGTERM)  # as Slurm preempts
+    return child.wait(timeout=180)
+
+
+def test_preempted_two_process_pretrain_stops_both_ranks_at_one_step_and_resumes_exactly(two_processes, tmp_path):
+    args = overrides(tmp_path, *PRETRAIN, *TWO_PROCESSES)
+    path = stage_dir(compose_config(args), "pretrain").path
+    with (tmp_path / "stage.log").open("w+") as output:
+        code = preempt_after(start_stage("pretrain", args, output), path, steps=3)
+        output.seek(0)
+        log = output.read()
+    assert code == EXIT_PREEMPTED, log
+    assert not (path / MARKER).exists() and not (path / "drafter").exists()
+    stopped_at = max(read_metrics(path))
+    assert 3 <= stopped_at < 20, log
+    # One checkpoint, of the step both ranks stopped at: each rank saved its RNG state into that step's folder.
+    checkpoint = path / "checkpoints" / f"step-{stopped_at:08d}"
+    assert [p.name for p in (path / "checkpoints").iterdir()] == [checkpoint.name]
+    assert sorted(p.name for p in checkpoint.glob("random_states_*")) == ["random_states_0.pkl", "random_states_1.pkl"]
+    assert json.loads((checkpoint / "step.json").read_text())["step"] == stopped_at
+    assert log.count("preempted: checkpoint at step") == 1, log
+
+    assert "death signal" not in log  # the stage signalled the workers, not torchrun (which SIGKILLs after 30 s)
+    one_process = tmp_path / "one-process"
+    shutil.copytree(tmp_path / "smollm2-135m", one_process / "smollm2-135m")
+
+    assert cli(["pretrain", *args]) == 0  # resume=auto, again with 2 processes
+    assert (path / MARKER).exists()
+    reference = stage_dir(compose_config(overrides(two_processes, *PRETRAIN, *TWO_PROCESSES)), "pretrain").path
+    assert losses(path) == losses(reference)  # exactly, as with one process
+    assert len((path / "metrics.jsonl").read_text().splitlines()) == 20
+
+    # num_processes is not part of the stage's config: one process resumes the 2-process checkpoint (DDP
+    # saves whole tensors), and computes the same losses up to the order of float sums.
+    single = overrides(one_process, *PRETRAIN)
+    assert cli(["pretrain", *single]) == 0
+    resumed = stage_dir(compose_config(single), "pretrain").path
+    assert losses(resumed) == pytest.approx(losses(reference), rel=1e-4)
+    assert len((resumed / "metrics.jsonl").read_text().splitlines()) == 20  # resumed: no step trained twice
+    assert json.loads((resumed / "manifest.json").read_text())["counts"]["processes"] == 1
 
 
 def test_finetune_from_pretrain_on_distilled_records(distilled):
@@ -175,3 +237,17 @@ def test_drafter_with_another_tokenizer_is_refused_before_any_compute(gemma_path
     error = capsys.readouterr().err.strip()
     assert error.startswith("error: gemma-as-drafter's tokenizer is not the target's") and "\n" not in error
     assert not (tmp_path / "cache").exists()  # no data was tokenized
+
+
+def test_user_error_inside_an_accelerate_worker_ends_the_stage_in_one_line(gemma_path, tmp_path, capsys):
+    """The compatibility gate fails in both gloo workers; the stage raises their error, as one process would."""
+    args = overrides(tmp_path, "drafter.source=local", f"drafter.path={gemma_path}", "drafter.name=gemma-as-drafter",
+                     *TWO_PROCESSES)
+    assert cli(["pretrain", *args]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: gemma-as-drafter's tokenizer is not the target's") and "\n" not in error
+    path = stage_dir(compose_config(args), "pretrain").path
+    # Raised in the workers (the first to fail may take the other down before it gets as far).
+    reports = [json.loads(p.read_text()) for p in (path / "worker-errors").glob("rank-*.json")]
+    assert reports and all(r["user_error"] and r["type"].endswith("TokenizerMismatchError") for r in reports)
+    assert not (path / MARKER).exists()

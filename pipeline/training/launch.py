@@ -10,14 +10,22 @@ whose processes run the same ``pipeline.stages.<stage>.train``; multi-node jobs 
 ``--num_machines/--machine_rank/--main_process_ip`` in ``SPECDRAFT_LAUNCH_ARGS`` (slurm/ does, from
 SLURM_* variables). Both ways write the same outputs: the drafter folder, ``metrics.jsonl`` (one line
 per logged step, replayed into the stage's tracker) and the counts for the manifest.
+
+A worker that fails writes its error to ``<stage dir>/worker-errors/rank-N.json`` (the folder is named
+by ``SPECDRAFT_WORKER_ERRORS``); the stage raises it again, so a user error (a ``pipeline.cli``
+USER_ERRORS one) ends the command in the same one line as in a single process. A preemption signal
+(SIGTERM, SIGUSR1) to the stage is passed to the workers themselves, which checkpoint at the end of the
+step and exit; the launcher is left alone (torchrun would SIGKILL its workers 30 s after a SIGTERM).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +41,8 @@ from pipeline.training.loop import EXIT_PREEMPTED
 METRICS = "metrics.jsonl"
 SUMMARY = "train_summary.json"
 LAUNCH_CONFIG = "launch_config.yaml"
+WORKER_ERRORS = "worker-errors"
+WORKER_ERRORS_ENV = "SPECDRAFT_WORKER_ERRORS"
 
 
 class MetricsLog:
@@ -58,7 +68,7 @@ def read_metrics(stage_path: Path) -> dict[int, dict]:
 def accelerate_command(cfg: DictConfig, stage: str, config_file: Path) -> list[str]:
     tc = cfg.train[stage]
     return [
-        sys.executable, "-m", "accelerate.commands.launch",
+        sys.executable, "-m", "pipeline.training.launcher",  # accelerate launch, less its traceback
         "--config_file", str(RECIPES_DIR / "launch" / f"{tc.launch}.yaml"),
         "--num_processes", str(tc.num_processes),
         *shlex.split(os.environ.get("SPECDRAFT_LAUNCH_ARGS", "")),
@@ -74,6 +84,44 @@ def launch_env() -> dict[str, str]:
     return os.environ | ({} if torch.cuda.is_available() else {"ACCELERATE_USE_CPU": "1"})
 
 
+def stop_workers(launcher: subprocess.Popen) -> None:
+    """Pass a preemption on to the training processes: each checkpoints at the end of its step and exits.
+
+    Not to the launcher: torchrun answers SIGTERM by signalling its workers and SIGKILLs them 30 s later,
+    which can cut a large model's checkpoint short. The workers are the launcher's children (torchrun
+    starts each in its own session). Before they exist the launcher itself is stopped.
+    """
+    import psutil
+
+    try:
+        workers = psutil.Process(launcher.pid).children()
+    except psutil.NoSuchProcess:
+        return
+    if not workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGTERM)
+    for worker in workers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            worker.send_signal(signal.SIGTERM)
+
+
+def worker_error(errors_dir: Path, stage: str, code: int) -> Exception:
+    """The error to end a failed launch with: a worker's user error as it was raised, else the first one."""
+    from pipeline.cli import USER_ERRORS
+
+    reports = [json.loads(path.read_text()) for path in errors_dir.glob("rank-*.json")]
+    reports.sort(key=lambda report: (not report["user_error"], report["rank"]))
+    if not reports:
+        return RuntimeError(f"accelerate launch of {stage} failed with exit code {code}; see the output above")
+    first = reports[0]
+    module, _, name = first["type"].rpartition(".")
+    cls = getattr(importlib.import_module(module), name, None) if first["user_error"] else None
+    if isinstance(cls, type) and issubclass(cls, USER_ERRORS):
+        return cls(first["message"])
+    return RuntimeError(f"accelerate launch of {stage} failed with exit code {code}: rank {first['rank']} raised "
+                        f"{first['type']}: {first['message']}")
+
+
 def run_training(cfg: DictConfig, stage: str, directory: StageDir, tracker: Tracker) -> dict:
     """The stage's ``run``: train here or under accelerate launch; returns the manifest counts."""
     module = importlib.import_module(f"pipeline.stages.{stage}")
@@ -85,13 +133,16 @@ def run_training(cfg: DictConfig, stage: str, directory: StageDir, tracker: Trac
     OmegaConf.save(cfg, config_file, resolve=True)
     logged_before = len(read_metrics(directory.path))
     (directory.path / SUMMARY).unlink(missing_ok=True)
-    # Its own session, so a preemption signal reaches every worker exactly once, from here.
-    child = subprocess.Popen(accelerate_command(cfg, stage, config_file), env=launch_env(), start_new_session=True)
+    errors_dir = directory.path / WORKER_ERRORS
+    shutil.rmtree(errors_dir, ignore_errors=True)
+    env = launch_env() | {WORKER_ERRORS_ENV: str(errors_dir)}
+    # Its own session: a Ctrl-C in the terminal reaches the stage only, which stops the workers once.
+    child = subprocess.Popen(accelerate_command(cfg, stage, config_file), env=env, start_new_session=True)
     received = []
 
     def forward(signum, frame):
         received.append(signum)
-        os.killpg(child.pid, signal.SIGTERM)
+        stop_workers(child)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
@@ -104,8 +155,25 @@ def run_training(cfg: DictConfig, stage: str, directory: StageDir, tracker: Trac
     if received or code == EXIT_PREEMPTED:
         raise SystemExit(EXIT_PREEMPTED)
     if code != 0 or not (directory.path / SUMMARY).exists():
-        raise RuntimeError(f"accelerate launch of {stage} failed with exit code {code}; see the output above")
+        raise worker_error(errors_dir, stage, code)
     return json.loads((directory.path / SUMMARY).read_text())
+
+
+def report_error(exc: Exception) -> bool:
+    """In a worker: write ``exc`` where the stage reads it; True for a user error (its message is the whole story)."""
+    from pipeline.cli import USER_ERRORS
+
+    user_error = isinstance(exc, USER_ERRORS)
+    errors_dir = os.environ.get(WORKER_ERRORS_ENV)
+    if errors_dir:
+        rank = int(os.environ.get("RANK", "0"))
+        report = {"rank": rank, "type": f"{type(exc).__module__}.{type(exc).__qualname__}", "message": str(exc),
+                  "user_error": user_error}
+        Path(errors_dir).mkdir(parents=True, exist_ok=True)
+        tmp = Path(errors_dir) / f".rank-{rank}.tmp"
+        tmp.write_text(json.dumps(report) + "\n")
+        os.replace(tmp, Path(errors_dir) / f"rank-{rank}.json")
+    return user_error
 
 
 def main(argv: list[str]) -> None:
@@ -117,9 +185,16 @@ def main(argv: list[str]) -> None:
     # (a plain PartialState() on a CPU-only machine would make every worker a lone process).
     PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
     stage, config_file = argv
-    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(config_file))
-    directory = stage_dir(cfg, stage, check_inputs=False)
-    counts = importlib.import_module(f"pipeline.stages.{stage}").train(cfg, directory, MetricsLog(directory.path / METRICS))
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(config_file))
+        directory = stage_dir(cfg, stage, check_inputs=False)
+        counts = importlib.import_module(f"pipeline.stages.{stage}").train(cfg, directory, MetricsLog(directory.path / METRICS))
+    except Exception as exc:
+        if not report_error(exc):
+            raise
+        if WORKER_ERRORS_ENV not in os.environ:  # else the stage prints it, once
+            print(f"error (rank {PartialState().process_index}): {exc}", file=sys.stderr)
+        raise SystemExit(2) from None  # a user error: no traceback from every rank
     if PartialState().is_main_process:
         (directory.path / SUMMARY).write_text(json.dumps(counts) + "\n")
 

@@ -1,0 +1,36 @@
+"""``accelerate launch`` as the stages run it: the same command, less the launcher's own traceback.
+
+When a worker fails, torchrun's agent raises ``ChildFailedError`` and the launcher dies printing its
+stack and a table of the failed ranks, below the workers' own output. The workers report their
+errors themselves (``pipeline.training.launch``: a traceback, or one line for a user error that the
+stage raises again), so here the failure ends in one line of exit codes instead.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+
+def exit_status(exitcode: int) -> str:
+    from pipeline.training.loop import EXIT_PREEMPTED
+
+    if exitcode < 0:
+        return f"signal {signal.Signals(-exitcode).name}"
+    return f"exit code {exitcode}" + (" (preempted, checkpointed)" if exitcode == EXIT_PREEMPTED else "")
+
+
+def main() -> None:
+    from accelerate.commands.launch import main as accelerate_launch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        accelerate_launch()
+    except ChildFailedError as failed:
+        ranks = ", ".join(f"rank {rank}: {exit_status(failure.exitcode)}" for rank, failure in sorted(failed.failures.items()))
+        print(f"accelerate launch: {failed.name} stopped ({ranks})", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()
