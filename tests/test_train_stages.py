@@ -20,7 +20,7 @@ from pipeline.models.vocab import VocabMap
 from pipeline.prompts import build_prompt
 from pipeline.rundir import MARKER, stage_dir
 from pipeline.training.launch import read_metrics
-from pipeline.training.loop import EXIT_PREEMPTED
+from pipeline.training.loop import EXIT_PREEMPTED, latest_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -149,12 +149,12 @@ def start_stage(stage: str, args: list[str], output):
                             stderr=subprocess.STDOUT, text=True)
 
 
-def preempt_after(child, path, steps: int) -> int:
-    """SIGTERM the stage once ``steps`` steps are logged; returns its exit code."""
+def signal_after(child, path, steps: int, signum: int = signal.SIGTERM) -> int:
+    """Signal the stage (SIGTERM: as Slurm preempts) once ``steps`` steps are logged; returns its exit code."""
     deadline = time.time() + 180
     while len(read_metrics(path)) < steps and child.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    child.send_signal(signal.SIGTERM)  # as Slurm preempts
+    child.send_signal(signum)
     return child.wait(timeout=180)
 
 
@@ -162,7 +162,7 @@ def test_preempted_two_process_pretrain_stops_both_ranks_at_one_step_and_resumes
     args = overrides(tmp_path, *PRETRAIN, *TWO_PROCESSES)
     path = stage_dir(compose_config(args), "pretrain").path
     with (tmp_path / "stage.log").open("w+") as output:
-        code = preempt_after(start_stage("pretrain", args, output), path, steps=3)
+        code = signal_after(start_stage("pretrain", args, output), path, steps=3)
         output.seek(0)
         log = output.read()
     assert code == EXIT_PREEMPTED, log
@@ -194,6 +194,24 @@ def test_preempted_two_process_pretrain_stops_both_ranks_at_one_step_and_resumes
     assert losses(resumed) == pytest.approx(losses(reference), rel=1e-4)
     assert len((resumed / "metrics.jsonl").read_text().splitlines()) == 20  # resumed: no step trained twice
     assert json.loads((resumed / "manifest.json").read_text())["counts"]["processes"] == 1
+
+
+def test_ctrl_c_stops_the_accelerate_workers_with_the_stage(tmp_path):
+    """The launcher runs in its own session, out of the terminal's reach: the stage stops its workers."""
+    import psutil
+
+    args = overrides(tmp_path, *PRETRAIN, *TWO_PROCESSES)
+    path = stage_dir(compose_config(args), "pretrain").path
+    with (tmp_path / "stage.log").open("w+") as output:
+        code = signal_after(start_stage("pretrain", args, output), path, steps=2, signum=signal.SIGINT)
+        output.seek(0)
+        log = output.read()
+    assert code != 0 and "KeyboardInterrupt" in log, log
+    config_file = str(path / "launch_config.yaml")
+    left = [p for p in psutil.process_iter(["cmdline"]) if config_file in (p.info["cmdline"] or [])]
+    assert not left, [p.info["cmdline"] for p in left]  # no worker trains on unattended
+    checkpoint = latest_checkpoint(path)  # the workers stopped as when preempted
+    assert not (path / MARKER).exists() and checkpoint.name == f"step-{max(read_metrics(path)):08d}"
 
 
 def test_finetune_from_pretrain_on_distilled_records(distilled):

@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -106,11 +107,12 @@ def stop_workers(launcher: subprocess.Popen) -> None:
 
 
 def worker_error(errors_dir: Path, stage: str, code: int) -> Exception:
-    """The error to end a failed launch with: a worker's user error as it was raised, else the first one."""
+    """The error to end a failed launch with: a worker's user error as it was raised, else the first one
+    raised (the others are often its echo: a collective that lost its peer)."""
     from pipeline.cli import USER_ERRORS
 
     reports = [json.loads(path.read_text()) for path in errors_dir.glob("rank-*.json")]
-    reports.sort(key=lambda report: (not report["user_error"], report["rank"]))
+    reports.sort(key=lambda report: (not report["user_error"], report["time"]))
     if not reports:
         return RuntimeError(f"accelerate launch of {stage} failed with exit code {code}; see the output above")
     first = reports[0]
@@ -147,6 +149,10 @@ def run_training(cfg: DictConfig, stage: str, directory: StageDir, tracker: Trac
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
         code = child.wait()
+    except BaseException:  # Ctrl-C (it reaches only this session) or an error here: stop the workers too
+        stop_workers(child)
+        child.wait()
+        raise
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
@@ -168,7 +174,7 @@ def report_error(exc: Exception) -> bool:
     if errors_dir:
         rank = int(os.environ.get("RANK", "0"))
         report = {"rank": rank, "type": f"{type(exc).__module__}.{type(exc).__qualname__}", "message": str(exc),
-                  "user_error": user_error}
+                  "user_error": user_error, "time": time.time()}
         Path(errors_dir).mkdir(parents=True, exist_ok=True)
         tmp = Path(errors_dir) / f".rank-{rank}.tmp"
         tmp.write_text(json.dumps(report) + "\n")
