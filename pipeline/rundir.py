@@ -91,9 +91,6 @@ class StageDir:
     path: Path
     config_hash: str
     inputs: dict[str, "StageDir"] = field(default_factory=dict)
-    # The hash as computed before RESULT_NEUTRAL existed: a stage recorded under it is this config's, and
-    # begin() rewrites it to ``config_hash`` instead of refusing it.
-    legacy_hash: str | None = None
 
     @property
     def marker(self) -> Path:
@@ -111,15 +108,9 @@ class StageDir:
             return None
         return json.loads(self.manifest_path.read_text()).get("config_hash")
 
-    def holds_this_config(self) -> bool:
-        return self.recorded_hash() in (self.config_hash, self.legacy_hash)
-
     def begin(self, cfg: DictConfig, force: bool = False) -> bool:
         """Prepare the directory. Returns False when the stage is already complete (skip it)."""
         recorded = self.recorded_hash()
-        if recorded is not None and recorded == self.legacy_hash != self.config_hash and not force:
-            self._adopt_legacy_hash()
-            recorded = self.config_hash
         if recorded is not None and (recorded != self.config_hash or force):
             if not force:
                 state = "complete" if self.is_complete() else "partial"
@@ -136,12 +127,6 @@ class StageDir:
         self.path.mkdir(parents=True, exist_ok=True)
         self._write_manifest(cfg, status="running")
         return True
-
-    def _adopt_legacy_hash(self) -> None:
-        manifest = json.loads(self.manifest_path.read_text())
-        _write_atomic(self.manifest_path, json.dumps(manifest | {"config_hash": self.config_hash}, indent=2) + "\n")
-        if self.is_complete():
-            _write_atomic(self.marker, self.config_hash + "\n")
 
     def finish(self, cfg: DictConfig, counts: dict[str, Any]) -> None:
         self._write_manifest(cfg, status="complete", counts=counts)
@@ -196,14 +181,13 @@ def stage_dir(cfg: DictConfig, stage: str, check_inputs: bool = True) -> StageDi
                     f"{stage} needs the {name} output {upstream.path}, which is not complete: "
                     f"run `{make_command(cfg, name)}` first"
                 )
-            if not upstream.holds_this_config():
+            if upstream.recorded_hash() != upstream.config_hash:
                 raise StageInputError(
                     f"{stage} needs {upstream.path} for the current config, but it was made with another one: "
                     f"run `{make_command(cfg, name)}` with force=true"
                 )
     digest = config_hash(cfg, hashed_keys(cfg, stage), {name: d.config_hash for name, d in inputs.items()})
-    legacy = config_hash(cfg, STAGE_SECTIONS[stage], {name: d.legacy_hash for name, d in inputs.items()})
-    return StageDir(stage=stage, path=stage_path(cfg, stage), config_hash=digest, inputs=inputs, legacy_hash=legacy)
+    return StageDir(stage=stage, path=stage_path(cfg, stage), config_hash=digest, inputs=inputs)
 
 
 def hashed_keys(cfg: DictConfig, stage: str) -> list[str]:

@@ -99,23 +99,3 @@ def test_training_hash_ignores_how_often_it_logs_checkpoints_and_how_many_proces
                    f"train.{stage}.grad_accum=2"):
         assert hashes(change)[stage] != reference[stage], change
         assert hashes(change)["eval"] != reference["eval"], change
-
-
-def test_stage_recorded_under_the_hash_that_covered_the_neutral_keys_is_kept(ci_cfg):
-    """Stages completed before RESULT_NEUTRAL existed are this config's: skipped and usable, not refused."""
-    pretrain = stage_dir(ci_cfg, "pretrain")
-    assert pretrain.legacy_hash != pretrain.config_hash
-    pretrain.begin(ci_cfg)
-    pretrain.finish(ci_cfg, {"steps": 20})
-    manifest = json.loads(pretrain.manifest_path.read_text())
-    pretrain.manifest_path.write_text(json.dumps(manifest | {"config_hash": pretrain.legacy_hash}))
-    pretrain.marker.write_text(pretrain.legacy_hash + "\n")
-
-    assert stage_dir(ci_cfg, "finetune", check_inputs=False).inputs["pretrain"].holds_this_config()
-    other = compose_config(["recipe=ci", f"paths.runs_dir={pretrain.path.parents[2]}", "train.pretrain.lr=1e-2"])
-    with pytest.raises(StageConflictError):  # another config is still refused
-        stage_dir(other, "pretrain").begin(other)
-    assert pretrain.begin(ci_cfg) is False  # complete: skipped, and recorded under the current hash from now on
-    assert pretrain.recorded_hash() == pretrain.config_hash
-    assert pretrain.marker.read_text().strip() == pretrain.config_hash
-    assert json.loads(pretrain.manifest_path.read_text())["counts"] == {"steps": 20}
