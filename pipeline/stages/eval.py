@@ -126,8 +126,10 @@ class Decoders:
 
 def run(cfg: DictConfig, directory, tracker) -> dict:
     ev = cfg.eval
-    if ev.engine != "transformers":
-        raise ConfigError("eval.engine=vllm (vLLM's own speculative decoding) is not implemented; use eval.engine=transformers")
+    if ev.engine == "vllm":  # vLLM's own speculative decoding
+        from pipeline.speculative import vllm_engine
+
+        return vllm_engine.run(cfg, directory, tracker)
     target_path = model_path(cfg.target, cfg.paths.models_dir)
     drafter_path = ev.drafter_path or str(directory.inputs["finetune"].path / "drafter")
     if not Path(drafter_path).is_dir():

