@@ -17,11 +17,12 @@ from pipeline.models.provision import ModelNotFoundError, model_path
 from pipeline.models.vocab import TokenizerMismatchError
 from pipeline.rundir import STAGES, StageConflictError, StageInputError, stage_dir
 from pipeline.serving.server import ServingError
+from pipeline.speculative import LosslessError
 from pipeline.tracking import stage_tracker
 
 COMMANDS = (*STAGES, "config", "prepare")
 USER_ERRORS = (ConfigError, StageInputError, StageConflictError, ModelNotFoundError, FileNotFoundError, TokenizerMismatchError,
-               ServingError)
+               ServingError, LosslessError)
 
 
 def run_stage(stage: str, cfg: DictConfig) -> None:

@@ -138,3 +138,27 @@ def test_router_langs_are_checked(ci_cfg, runs_dir, capsys):
         compose_config(["recipe=ci", "eval.router_langs=[de-en]"])
     with pytest.raises(ConfigError, match="eval.router_langs: unknown xx-en"):
         compose_config(["recipe=ci", "eval.router_langs=[de-en,xx-en]"])
+
+
+@pytest.mark.slow
+def test_greedy_mismatch_fails_the_stage_in_one_line_after_writing_its_outputs(ci_drafter, runs_dir, monkeypatch, capsys):
+    """Fault injection: a speculative decode that emits one wrong token must fail the lossless gate."""
+    from pipeline.stages import eval as eval_stage
+
+    def corrupted(target, ids, max_new_tokens, stop, sampling, drafter=None, **kwargs):
+        out = generate(target, ids, max_new_tokens, stop, sampling, drafter=drafter, **kwargs)
+        if isinstance(drafter, eval_stage.ModelDrafter):
+            out.tokens[-1] = (out.tokens[-1] + 1) % target.model.config.vocab_size
+        return out
+
+    generate = eval_stage.generate
+    monkeypatch.setattr(eval_stage, "generate", corrupted)
+    args = ["eval", "recipe=ci", f"paths.runs_dir={runs_dir}", f"eval.drafter_path={ci_drafter}",
+            "eval.temperatures=[0.0]", "eval.num_prompts=2", "eval.methods=[target,speculative]", "eval.k_sweep=[4]"]
+    capsys.readouterr()
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    error = err[err.index("error: "):]  # after the weights' loading bars
+    assert error.startswith("error: 2 greedy outputs differ from the target's own") and error.count("\n") == 1
+    out = next(runs_dir.glob("**/eval"))
+    assert (out / "samples.jsonl").exists() and not (out / "COMPLETE").exists()

@@ -17,7 +17,7 @@ from pipeline.models.drafter import init_drafter, save_drafter
 from pipeline.models.vocab import VocabMap
 from pipeline.speculative import vllm_engine
 from pipeline.speculative.vllm_engine import Completion, parse_counters, spec_stats
-from pipeline.stages.eval import LosslessError
+from pipeline.speculative import LosslessError
 
 K, PROMPTS, TOKENS = 4, 3, 24
 

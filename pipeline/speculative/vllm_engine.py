@@ -46,7 +46,8 @@ from pipeline.prompts import build_prompt
 from pipeline.serving.server import ServingError, VLLMServer
 from pipeline.speculative.engine import Generation
 from pipeline.speculative.metrics import measure, method_stats, speedup
-from pipeline.stages.eval import LosslessError, environment, lang_config, summarize
+from pipeline.speculative import LosslessError
+from pipeline.stages.eval import environment, lang_config, summarize
 
 COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
             "accepted": "vllm:spec_decode_num_accepted_tokens"}

@@ -37,6 +37,7 @@ from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.prompts import build_prompt
 from pipeline.rundir import StageInputError, make_command, stage_dir
+from pipeline.speculative import LosslessError
 from pipeline.speculative.engine import (
     CachedModel,
     ModelDrafter,
@@ -54,10 +55,6 @@ from pipeline.speculative.sampler import Sampling
 METHODS = ("target", "speculative", "pld", "hf", "hf_assisted", "router")
 MIXED = "mixed"  # the router's prompt set: held-out prompts of every eval.router_langs pair
 SUMMARY_KEYS = ("speedup", "tokens_per_s", "alpha", "tau", "predicted_speedup")
-
-
-class LosslessError(RuntimeError):
-    """Speculative greedy output differs from the target's own greedy output."""
 
 
 def environment() -> dict:
