@@ -144,9 +144,12 @@ def test_two_process_accelerate_launch_matches_one_process(pretrained, two_proce
 
 
 def start_stage(stage: str, args: list[str], output):
-    """The stage as its own process (``python -m pipeline``), as make and Slurm run it."""
+    """The stage as its own process (``python -m pipeline``), as make and Slurm run it. SIGINT at its
+    default, as a terminal's shell leaves it: a shell without job control (CI's) starts background jobs
+    with SIGINT ignored, and children inherit that."""
     return subprocess.Popen([sys.executable, "-m", "pipeline", stage, *args], cwd=REPO_ROOT, stdout=output,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def signal_after(child, path, steps: int, signum: int = signal.SIGTERM) -> int:
