@@ -161,3 +161,22 @@ def test_predicted_speedup_formula():
     assert abs(predicted_speedup(0.0, 3, 0.1, 1.0) - 1 / 1.3) < 1e-12
     for alpha in (0.0, 0.3, 0.8, 1.0):  # alpha_from_tau inverts the expected round length
         assert abs(alpha_from_tau((1 - alpha**5) / (1 - alpha) if alpha < 1 else 5.0, 4) - alpha) < 1e-9
+
+
+@pytest.mark.parametrize("make", [llama, gemma])
+def test_transposed_output_layer_keeps_greedy_decoding_token_exact(make, tmp_path):
+    """load_model's output layer (W·hᵀ)ᵀ: the logits nn.Linear gives, and speculative greedy == target greedy."""
+    from pipeline.models.provision import TransposedOutputLayer, load_model
+
+    make(0).save_pretrained(tmp_path / "target")
+    reference = make(0)
+    target = load_model(str(tmp_path / "target"))
+    assert isinstance(target.get_output_embeddings(), TransposedOutputLayer)
+    if reference.config.tie_word_embeddings:
+        assert target.get_output_embeddings().weight is target.get_input_embeddings().weight
+    with torch.inference_mode():
+        torch.testing.assert_close(target(PROMPT).logits, reference(PROMPT).logits)
+    expected = full_greedy(reference, PROMPT, 24)
+    assert generate(CachedModel(target), PROMPT, 24, NO_STOP).tokens == expected
+    out = generate(CachedModel(target), PROMPT, 24, NO_STOP, drafter=ModelDrafter(make(1)), k=4)
+    assert out.tokens == expected
