@@ -39,15 +39,13 @@ from omegaconf import DictConfig
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.config import ConfigError
-from pipeline.data.sources import load_sources
 from pipeline.models.drafter import check_drafter
 from pipeline.models.provision import load_tokenizer, model_path
-from pipeline.prompts import build_prompt
 from pipeline.serving.server import ServingError, VLLMServer
 from pipeline.speculative.engine import Generation
 from pipeline.speculative.metrics import measure, method_stats, speedup
 from pipeline.speculative import LosslessError
-from pipeline.stages.eval import environment, lang_config, summarize
+from pipeline.stages.eval import environment, eval_pairs, heldout_prompts, summarize
 
 COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
             "accepted": "vllm:spec_decode_num_accepted_tokens"}
@@ -165,14 +163,8 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
     drafter_path = str(Path(ev.drafter_path or directory.inputs["finetune"].path / "drafter").resolve())
     check(cfg, target_path, drafter_path)
     tokenizer = load_tokenizer(target_path)
-    prompts = {}
-    for pair in [cfg.lang.pair, *[p for p in ev.matrix_langs if p != cfg.lang.pair]]:
-        lang_cfg = lang_config(cfg, pair) if pair != cfg.lang.pair else cfg
-        examples = load_sources(lang_cfg)[1][: ev.num_prompts]
-        if not examples:
-            raise ConfigError(f"no held-out prompts for {pair}; raise data.heldout_max or choose another lang")
-        texts = [build_prompt(cfg.target, lang_cfg.lang, ex.src, tokenizer) for ex in examples]
-        prompts[pair] = [(ex, text, tokenizer(text).input_ids) for ex, text in zip(examples, texts)]
+    prompts = {pair: [(ex, text, tokenizer(text).input_ids) for ex, text in heldout_prompts(cfg, pair, tokenizer)]
+               for pair in eval_pairs(cfg)}
     blocks = [(pair, float(t), seed) for t in ev.temperatures for seed in (ev.seeds if t > 0 else ev.seeds[:1])
               for pair in prompts]
 

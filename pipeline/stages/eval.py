@@ -100,11 +100,9 @@ class Decoders:
         """(name, method, K) to run; the K sweep only in the first (T=0, first seed) pass; the router
         only on the mixed set."""
         ev = self.cfg.eval
-        chosen = [m for m in METHODS if m == "target" or m in ev.methods or (m == "router" and pair == MIXED)]
+        chosen = [m for m in METHODS if m == "target" or (m in ev.methods and m != "router") or (m == "router" and pair == MIXED)]
         if not self.hf_assisted and "hf_assisted" in chosen:
             chosen.remove("hf_assisted")
-        if pair != MIXED and "router" in chosen:
-            chosen.remove("router")
         out = [(m, m, ev.num_draft_tokens) for m in chosen]
         if first_pass and "speculative" in chosen:
             out += [(f"speculative_k{k}", "speculative", k) for k in ev.k_sweep if k != ev.num_draft_tokens]
@@ -138,7 +136,7 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
     target_model = load_model(target_path, cfg.target.dtype)
     decoders = Decoders(cfg, target_model, drafter_model.eval(), vocab_map, tokenizer, router_drafters)
 
-    pairs = [cfg.lang.pair, *[p for p in ev.matrix_langs if p != cfg.lang.pair]]
+    pairs = eval_pairs(cfg)
     prompts = {pair: heldout_prompts(cfg, pair, tokenizer) for pair in {*pairs, *ev.router_langs}}
     source_pair = {ex.id: pair for pair in ev.router_langs for ex, _ in prompts[pair]}
     if ev.router_langs:  # one prompt of each pair in turn
@@ -169,8 +167,9 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
                     prompt_seed = seed * 1_000_003 + index
                     row = {"lang": pair, "temperature": temperature, "seed": seed, "id": example.id, "src": example.src,
                            "ref": example.ref, "prompt": prompt, "methods": {}}
-                    routed_language, routed = decoders.router.route(example.src) if pair == MIXED else (None, None)
+                    routed = None
                     if pair == MIXED:
+                        routed_language, routed = decoders.router.route(example.src)
                         row["source_pair"], row["routed_to"] = source_pair[example.id], routed_language or "fallback"
                     for name, method, k in variants:
                         out = measure(lambda: decoders.decode(method, k, ids, sampling, prompt_seed, routed), ev.repetitions)
@@ -219,6 +218,11 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
         raise LosslessError(f"{len(mismatches)} greedy outputs differ from the target's own (first: {mismatches[0]}); "
                             f"see {out_dir / 'samples.jsonl'}")
     return {"prompts": sum(len(p) for p in prompts.values()), "languages": len(pairs), "greedy_mismatches": 0}
+
+
+def eval_pairs(cfg: DictConfig) -> list[str]:
+    """The pair the drafter was trained on, then the cross-language matrix's other pairs."""
+    return [cfg.lang.pair, *[p for p in cfg.eval.matrix_langs if p != cfg.lang.pair]]
 
 
 def heldout_prompts(cfg: DictConfig, pair: str, tokenizer) -> list:
