@@ -13,6 +13,7 @@ from pipeline.speculative.engine import (
     PromptLookupDrafter,
     StopCondition,
     generate,
+    hf_generate,
     predicted_speedup,
 )
 from pipeline.speculative.metrics import alpha_from_tau
@@ -94,6 +95,22 @@ def test_drafter_equal_to_target_accepts_everything(temperature):
                    drafter=ModelDrafter(model), k=k, generator=torch.Generator().manual_seed(0))
     assert sum(out.accepted) / sum(out.drafted) == 1.0  # alpha
     assert len(out.tokens) / out.target_calls == k + 1  # tau
+
+
+def test_hf_assisted_generation_drafts_exactly_k_per_round():
+    """The HF baseline runs our K: a drafter equal to the target is then accepted whole, K+1 tokens per target
+    call (HF's default 0.4 confidence cut would stop this flat-distribution drafter after one token)."""
+    target, assistant = llama(0), llama(0)
+    own_config = assistant.generation_config
+    calls = []
+    target.register_forward_hook(lambda module, args, kwargs, output: calls.append(kwargs["input_ids"].shape[1]),
+                                 with_kwargs=True)
+    k, rounds = 4, 5
+    tokens = hf_generate(target, PROMPT, rounds * (k + 1), StopCondition(None, eos_token_ids=[VOCAB]),
+                         Sampling(0.0), seed=0, assistant=assistant, k=k)
+    assert calls == [PROMPT.shape[1] + k] + [k + 1] * (rounds - 1)
+    assert tokens == full_greedy(target, PROMPT, rounds * (k + 1))
+    assert assistant.generation_config is own_config  # the assistant is left as it was
 
 
 def reduced_copy(model, vocab_map: VocabMap):

@@ -10,6 +10,9 @@ All ids are target-vocabulary ids; a reduced-vocabulary drafter translates at it
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -140,6 +143,12 @@ class StopCondition:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         return any(s in text for s in self.stop_strings)
 
+    @functools.cached_property
+    def hf_criteria(self) -> StoppingCriteriaList:
+        """The stop strings as transformers criteria, built once: building one scans the whole vocabulary
+        (~2.7 s for gemma's 262k tokens), which must not be timed as part of every HF generate call."""
+        return StoppingCriteriaList([StopStringCriteria(self.tokenizer, self.stop_strings)] if self.stop_strings else [])
+
     def text(self, generated: list[int]) -> str:
         """The response text, the stop string excluded."""
         text = self.tokenizer.decode(generated, skip_special_tokens=True)
@@ -242,21 +251,36 @@ def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
     return expected_tokens / (k * c + v)
 
 
+@contextlib.contextmanager
+def assisted_by_k(assistant, k: int):
+    """Make HF assisted generation draft exactly K tokens per round. transformers 5 reads these settings from
+    the assistant's own generation_config, not from ``generate``'s arguments; its defaults (20 tokens, a 0.4
+    confidence cut) stop weak drafters after about one token, which is another K than ours."""
+    if assistant is None:
+        yield
+        return
+    own = assistant.generation_config
+    assistant.generation_config = copy.deepcopy(own)
+    assistant.generation_config.update(num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                                       assistant_confidence_threshold=0.0)
+    try:
+        yield
+    finally:
+        assistant.generation_config = own
+
+
 def hf_generate(model, prompt_ids, max_new_tokens, stop: StopCondition, sampling: Sampling, seed: int,
                 assistant=None, k: int = 0) -> list[int]:
     """transformers' own ``generate`` (plain, or assisted by ``assistant`` with exactly K drafts per round)."""
     # Stop strings as a criterion, not `stop_strings=`: that one reaches the assistant, which has no tokenizer.
-    criteria = [StopStringCriteria(stop.tokenizer, stop.stop_strings)] if stop.stop_strings else []
     kwargs = {"max_new_tokens": max_new_tokens, "do_sample": not sampling.greedy, "eos_token_id": sorted(stop.eos_token_ids),
-              "pad_token_id": sorted(stop.eos_token_ids)[0], "stopping_criteria": StoppingCriteriaList(criteria)}
+              "pad_token_id": sorted(stop.eos_token_ids)[0], "stopping_criteria": stop.hf_criteria}
     if not sampling.greedy:
         kwargs |= {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
     if assistant is not None:
-        # HF's defaults (20 tokens, a 0.4 confidence cut) would stop weak drafters after one token.
-        kwargs |= {"assistant_model": assistant, "num_assistant_tokens": k,
-                   "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
+        kwargs["assistant_model"] = assistant
     torch.manual_seed(seed)
-    with torch.inference_mode():
+    with assisted_by_k(assistant, k), torch.inference_mode():
         out = model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), **kwargs)
     tokens = out[0, prompt_ids.shape[1]:].tolist()
     # Assisted rounds can run past a stop string; count only what a user gets, as for our loop.
