@@ -161,8 +161,8 @@ def signal_after(child, path, steps: int, signum: int = signal.SIGTERM) -> int:
     return child.wait(timeout=180)
 
 
-def test_preempted_two_process_pretrain_stops_both_ranks_at_one_step_and_resumes_exactly(two_processes, tmp_path):
-    args = overrides(tmp_path, *PRETRAIN, *TWO_PROCESSES)
+def preempt_pretrain(args: list[str], tmp_path) -> tuple:
+    """Start pretrain as a user would, SIGTERM it after 3 logged steps; (stage path, step it stopped at, log)."""
     path = stage_dir(compose_config(args), "pretrain").path
     with (tmp_path / "stage.log").open("w+") as output:
         code = signal_after(start_stage("pretrain", args, output), path, steps=3)
@@ -172,6 +172,12 @@ def test_preempted_two_process_pretrain_stops_both_ranks_at_one_step_and_resumes
     assert not (path / MARKER).exists() and not (path / "drafter").exists()
     stopped_at = max(read_metrics(path))
     assert 3 <= stopped_at < 20, log
+    return path, stopped_at, log
+
+
+def test_preempted_two_process_pretrain_stops_both_ranks_at_one_step_and_resumes_exactly(two_processes, tmp_path):
+    args = overrides(tmp_path, *PRETRAIN, *TWO_PROCESSES)
+    path, stopped_at, log = preempt_pretrain(args, tmp_path)
     # One checkpoint, of the step both ranks stopped at: each rank saved its RNG state into that step's folder.
     checkpoint = path / "checkpoints" / f"step-{stopped_at:08d}"
     assert [p.name for p in (path / "checkpoints").iterdir()] == [checkpoint.name]
@@ -197,6 +203,29 @@ def test_preempted_two_process_pretrain_stops_both_ranks_at_one_step_and_resumes
     assert losses(resumed) == pytest.approx(losses(reference), rel=1e-4)
     assert len((resumed / "metrics.jsonl").read_text().splitlines()) == 20  # resumed: no step trained twice
     assert json.loads((resumed / "manifest.json").read_text())["counts"]["processes"] == 1
+
+
+def test_deepspeed_zero2_on_cpu_shards_its_state_and_resumes_a_preempted_run(two_processes, tmp_path):
+    """A real DeepSpeed engine (its CPU accelerator, gloo) under accelerate launch, not DDP under another name.
+    The first run JIT-builds DeepSpeed's shared-memory comm op (g++, ninja) into ~/.cache/torch_extensions."""
+    args = overrides(tmp_path, *PRETRAIN, "train.pretrain.launch=deepspeed-zero2", "train.pretrain.num_processes=2")
+    path, stopped_at, log = preempt_pretrain(args, tmp_path)
+    checkpoint = path / "checkpoints" / f"step-{stopped_at:08d}"
+    assert json.loads((checkpoint / "step.json").read_text())["deepspeed"] is True, log
+    # ZeRO-2: the optimizer state is partitioned, one shard per rank.
+    assert sorted(p.name for p in (checkpoint / "pytorch_model").glob("zero_pp_rank_*_optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+
+    assert cli(["pretrain", *args]) == 0  # resume=auto, the same launch
+    assert len((path / "metrics.jsonl").read_text().splitlines()) == 20  # no step trained twice
+    reference = stage_dir(compose_config(overrides(two_processes, *PRETRAIN, *TWO_PROCESSES)), "pretrain").path
+    assert losses(path) == pytest.approx(losses(reference), rel=1e-5)  # the same global batches as DDP
+    counts = json.loads((path / "manifest.json").read_text())["counts"]
+    assert counts["processes"] == 2 and counts["steps"] == 20
+    drafter = AutoModelForCausalLM.from_pretrained(path / "drafter")
+    assert drafter.lm_head.weight.data_ptr() == drafter.model.embed_tokens.weight.data_ptr()  # still tied
+    ddp = AutoModelForCausalLM.from_pretrained(reference / "drafter").state_dict()
+    assert all(torch.allclose(drafter.state_dict()[name], ddp[name], atol=1e-4) for name in ddp)
 
 
 def test_ctrl_c_stops_the_accelerate_workers_with_the_stage(tmp_path):

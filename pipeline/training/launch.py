@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import json
 import os
 import shlex
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.config import RECIPES_DIR, Config
+from pipeline.config import RECIPES_DIR, Config, ConfigError
 from pipeline.rundir import StageDir, stage_dir
 from pipeline.tracking import Tracker
 from pipeline.training.loop import EXIT_PREEMPTED
@@ -131,6 +132,9 @@ def run_training(cfg: DictConfig, stage: str, directory: StageDir, tracker: Trac
     if tc.launch == "single" and tc.num_processes == 1:
         return module.train(cfg, directory, MetricsLog(directory.path / METRICS, tracker))
 
+    if "deepspeed" in tc.launch and importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError(f"train.{stage}.launch={tc.launch} needs DeepSpeed: pip install deepspeed "
+                          "(make install does), or choose launch=ddp-cpu / ddp")
     config_file = directory.path / LAUNCH_CONFIG
     OmegaConf.save(cfg, config_file, resolve=True)
     logged_before = len(read_metrics(directory.path))
@@ -189,7 +193,15 @@ def main(argv: list[str]) -> None:
 
     # The process state is created once and shared: make it the CPU group's before the stage asks for it
     # (a plain PartialState() on a CPU-only machine would make every worker a lone process).
-    PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    import torch
+
+    if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") and not torch.cuda.is_available():
+        # DeepSpeed on CPU: accelerate's cpu flag would skip DeepSpeed altogether (plain DDP), and without
+        # a backend it counts each rank as a lone process. DeepSpeed's CPU accelerator talks gloo.
+        os.environ.pop("ACCELERATE_USE_CPU", None)  # launch_env's, read again by the Accelerator
+        PartialState(backend="gloo")
+    else:
+        PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
     stage, config_file = argv
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(config_file))

@@ -284,6 +284,9 @@ def train_drafter(
     """Train, then write ``out_dir/drafter`` (contract 2); returns the counts for the manifest."""
     result = train(tc, model, examples, Collator(tokenizer.pad_token_id, vocab), out_dir, log, seed)
     state_dict = result.accelerator.get_state_dict(result.prepared)  # on every rank: DeepSpeed gathers the shards
+    if result.accelerator.state.deepspeed_plugin is not None and result.model.config.tie_word_embeddings:
+        for tied in result.model.all_tied_weights_keys:  # gathered as copies: saved twice unless dropped
+            state_dict.pop(tied, None)
     if result.accelerator.is_main_process:
         save_drafter(result.model, target_path, vocab, out_dir / "drafter", state_dict)
     result.accelerator.wait_for_everyone()
