@@ -370,8 +370,10 @@ def validate(cfg: DictConfig) -> None:
             problems.append(f"train.{name}.launch '{tc.launch}' unknown; valid: {', '.join(launches)}")
     if cfg.eval.engine not in ("transformers", "vllm"):
         problems.append("eval.engine must be transformers or vllm")
-    eval_methods = ("target", "speculative", "pld", "hf", "hf_assisted", "router")
-    if unknown := [m for m in cfg.eval.methods if m not in eval_methods]:
+    eval_methods = ("target", "speculative", "pld", "hf", "hf_assisted")
+    if "router" in cfg.eval.methods:
+        problems.append("eval.methods: the router is not a method; set eval.router_langs=[de-en,fr-en] to run it")
+    elif unknown := [m for m in cfg.eval.methods if m not in eval_methods]:
         problems.append(f"eval.methods: unknown {', '.join(unknown)}; valid: {', '.join(eval_methods)}")
     for key in ("matrix_langs", "router_langs"):
         if unknown := [p for p in cfg.eval[key] if p not in options("lang")]:

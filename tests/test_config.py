@@ -61,6 +61,7 @@ def test_paper_recipes_carry_the_paper_settings():
         (["drafter.num_heads=3"], "not divisible by drafter.num_heads 3"),
         (["eval.num_draft_tokens=0"], "must be >= 1"),
         (["train.pretrain.launch=nope"], "launch 'nope' unknown; valid: ddp"),
+        (["eval.methods=[target,router]"], "the router is not a method; set eval.router_langs"),
         (["lang"], "is not KEY=VALUE"),
     ],
 )

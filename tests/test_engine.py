@@ -125,6 +125,23 @@ def reduced_copy(model, vocab_map: VocabMap):
     return drafter
 
 
+def test_full_vocabulary_copy_of_a_reduced_drafter_scores_as_it_does():
+    """The benchmark's full-vocabulary form of a reduced drafter (for HF assisted generation): the same logits
+    on the mapped ids, 0 elsewhere, and unmapped input ids read as the unk id."""
+    from pipeline.bench.engine import full_vocabulary_copy
+
+    vocab_map = VocabMap(torch.arange(0, VOCAB, 2), VOCAB)
+    reduced = reduced_copy(llama(0), vocab_map)
+    full = full_vocabulary_copy(reduced, vocab_map)
+    ids = torch.tensor([[1, 2, 4, 7, 9, 12, 30]])  # odd ids are unmapped
+    with torch.inference_mode():
+        expected = vocab_map.expand_logits(reduced(input_ids=vocab_map.encode(ids)).logits)
+        logits = full(input_ids=ids).logits
+    mapped = vocab_map.target_ids
+    torch.testing.assert_close(logits[..., mapped], expected[..., mapped])
+    assert (logits[..., 1::2] == 0).all()
+
+
 @pytest.mark.parametrize("make", [llama, gemma])
 def test_reduced_vocab_drafter_greedy_exact(make):
     target = CachedModel(make(0))

@@ -10,7 +10,9 @@ from the target itself, so acceptance is real and nontrivial.
 - ``speculative_reduced_head``: the whole target with its head cut to the 16k most frequent ShareGPT
   tokens (a reduced-vocabulary drafter, FR-Spec-style): cheap (c well below 1) and mostly right, so it
   shows what a reduced head buys on this CPU.
-- ``speculative_finetuned``: the local recipe's finetuned drafter, when one exists.
+- ``speculative_finetuned``: the local recipe's finetuned drafter, when one exists, and
+  ``speculative_finetuned_full_vocab`` / ``hf_assisted_finetuned_full_vocab``: the same drafter as a
+  full-vocabulary model, run by both engines — a cheap drafter, where per-step overheads matter.
 
 All methods decode the same held-out de-en prompts at T=0 (identical tokens: speedup = time ratio),
 interleaved prompt by prompt, after a warm-up, taking the median of several repetitions.
@@ -77,6 +79,22 @@ def layer_skip_drafter(target, keep: tuple[int, ...], vocab_map: VocabMap | None
     return drafter
 
 
+def full_vocabulary_copy(drafter, vocab_map: VocabMap):
+    """A reduced-vocabulary drafter as an ordinary full-vocabulary model, which HF assisted generation can run:
+    every target id is embedded as its drafter id (unmapped ones as the unk id); the head's mapped rows are the
+    drafter's and the others zero (logit 0, below a confident drafter's top mapped logit)."""
+    text = drafter.config.to_dict()
+    text.update(vocab_size=vocab_map.target_vocab_size, tie_word_embeddings=False)
+    full = AutoModelForCausalLM.from_config(AutoConfig.for_model(**text), dtype=torch.float32).eval()
+    state = dict(drafter.state_dict())
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"][vocab_map.to_drafter]
+    head = state["lm_head.weight"].new_zeros(vocab_map.target_vocab_size, text["hidden_size"])
+    head[vocab_map.target_ids] = state["lm_head.weight"][: vocab_map.unk_id]
+    state["lm_head.weight"] = head
+    full.load_state_dict(state)
+    return full
+
+
 def token_counts(tokenizer, vocab_size: int, prompts: list[str], documents: int = 3000) -> torch.Tensor:
     """Token histogram of ShareGPT documents and of the pair's training prompts (what a finetuned drafter sees;
     never the held-out ones), so the map covers the source-language tokens drafts are conditioned on."""
@@ -85,6 +103,11 @@ def token_counts(tokenizer, vocab_size: int, prompts: list[str], documents: int 
     for text in texts:
         counts += torch.bincount(torch.tensor(tokenizer.encode(text), dtype=torch.long), minlength=vocab_size)[:vocab_size]
     return counts
+
+
+def hf_name(drafter_name: str) -> str:
+    """The HF assisted method running the same drafter: speculative_x -> hf_assisted_x."""
+    return drafter_name.replace("speculative", "hf_assisted", 1)
 
 
 def run_methods(methods: dict, prompts: list[torch.Tensor]) -> dict:
@@ -121,17 +144,23 @@ def main(out_dir: Path) -> dict:
                 "speculative_reduced_head": (layer_skip_drafter(target_model, tuple(range(target_model.config.num_hidden_layers)), vocab_map),
                                              vocab_map)}
     if FINETUNED.is_dir():
-        drafters["speculative_finetuned"] = load_drafter(str(FINETUNED), target_path)
+        finetuned, finetuned_map = load_drafter(str(FINETUNED), target_path)
+        drafters["speculative_finetuned"] = (finetuned, finetuned_map)
+        drafters["speculative_finetuned_full_vocab"] = (full_vocabulary_copy(finetuned, finetuned_map), None)
 
     def ours(model, vmap):
         drafter = ModelDrafter(model, vmap)
         return lambda ids: generate(target, ids, MAX_NEW_TOKENS, stop, greedy, drafter=drafter, k=K)
 
+    def hf_assisted(assistant):
+        return lambda ids: timed(lambda: hf_generate(target_model, ids, MAX_NEW_TOKENS, stop, greedy, 0,
+                                                     assistant=assistant, k=K))
+
     methods = {"target": lambda ids: generate(target, ids, MAX_NEW_TOKENS, stop, greedy),
-               "hf": lambda ids: timed(lambda: hf_generate(target_model, ids, MAX_NEW_TOKENS, stop, greedy, 0)),
-               "hf_assisted": lambda ids: timed(lambda: hf_generate(target_model, ids, MAX_NEW_TOKENS, stop, greedy, 0,
-                                                                     assistant=layer_skip, k=K))}
+               "hf": lambda ids: timed(lambda: hf_generate(target_model, ids, MAX_NEW_TOKENS, stop, greedy, 0))}
     methods |= {name: ours(model, vmap) for name, (model, vmap) in drafters.items()}
+    # HF runs every full-vocabulary drafter too: each of our rows beside HF's with the same models and K.
+    methods |= {hf_name(name): hf_assisted(model) for name, (model, vmap) in drafters.items() if vmap is None}
     outputs = run_methods(methods, prompts)
 
     stats = {name: method_stats(gens) for name, gens in outputs.items()}
@@ -159,13 +188,18 @@ def main(out_dir: Path) -> dict:
         "speedup_predicted_from_tau": headline["speedup_predicted_from_tau"],
         "measured_over_predicted_from_tau": headline["speedup"] / headline["speedup_predicted_from_tau"],
         "vs_hf_assisted": headline["tokens_per_s"] / stats["hf_assisted"]["tokens_per_s"],
+        "vs_hf_assisted_by_drafter": {name: stats[name]["tokens_per_s"] / stats[hf_name(name)]["tokens_per_s"]
+                                      for name in drafters if hf_name(name) in stats},
         "what": {
             "target": target_path,
             "drafters": {"speculative": f"layer-skip: the target without layers {list(SKIPPED_LAYERS)}, full vocabulary",
                          "speculative_reduced_head": f"the whole target with a {REDUCED_VOCAB}-token head (the most "
                                                      "frequent ids of 3000 ShareGPT documents and the de-en training prompts)",
-                         "speculative_finetuned": str(FINETUNED) if FINETUNED.is_dir() else "none yet"},
-            "headline": "speculative: the full-vocabulary drafter that HF assisted generation runs too, same K",
+                         "speculative_finetuned": str(FINETUNED) if FINETUNED.is_dir() else "none yet",
+                         "speculative_finetuned_full_vocab": "the finetuned drafter as a full-vocabulary model "
+                                                             "(full_vocabulary_copy), so HF assisted generation runs it too"},
+            "headline": "speculative: the layer-skip drafter; hf_assisted runs the same drafter with the same K "
+                        "(vs_hf_assisted_by_drafter: every full-vocabulary drafter against HF)",
             "prompts": f"{len(prompts)} held-out de-en prompts of the local recipe (completion format, stop at newline)",
             "max_new_tokens": MAX_NEW_TOKENS,
             "temperature": 0.0,

@@ -100,7 +100,7 @@ class Decoders:
         """(name, method, K) to run; the K sweep only in the first (T=0, first seed) pass; the router
         only on the mixed set."""
         ev = self.cfg.eval
-        chosen = [m for m in METHODS if m == "target" or (m in ev.methods and m != "router") or (m == "router" and pair == MIXED)]
+        chosen = [m for m in METHODS if m == "target" or m in ev.methods or (m == "router" and pair == MIXED)]
         if not self.hf_assisted and "hf_assisted" in chosen:
             chosen.remove("hf_assisted")
         out = [(m, m, ev.num_draft_tokens) for m in chosen]
