@@ -44,8 +44,7 @@ from pipeline.models.provision import load_tokenizer, model_path
 from pipeline.serving.server import ServingError, VLLMServer
 from pipeline.speculative.engine import Generation
 from pipeline.speculative.metrics import measure, method_stats, speedup
-from pipeline.speculative import LosslessError
-from pipeline.stages.eval import environment, eval_pairs, heldout_prompts, summarize
+from pipeline.stages.eval import check_lossless, environment, eval_pairs, heldout_prompts, summarize, write_results
 
 COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
             "accepted": "vllm:spec_decode_num_accepted_tokens"}
@@ -208,18 +207,11 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
                      "mismatches": mismatches},
         "environment": environment() | {"vllm": version},
     }
-    out_dir = directory.path
-    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    with (out_dir / "samples.jsonl").open("w") as handle:
-        handle.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in samples)
-    (out_dir / "report.md").write_text(report(metrics))
-    main = results[cfg.lang.pair]
-    tracker.summary({f"{t}/{m}/{k}": s[k]["mean"] for t, r in main.items() for m, s in r["summary"].items()
-                     for k in SUMMARY_KEYS if k in s})
+    write_results(directory.path, metrics, samples, tracker, cfg.lang.pair, {})
+    (directory.path / "report.md").write_text(report(metrics))
     print(report(metrics), flush=True)
-    if mismatches:
-        raise LosslessError(f"{len(mismatches)} greedy outputs of vLLM's speculative server differ from its target "
-                            f"server's (first: {mismatches[0]}); see {out_dir / 'samples.jsonl'}")
+    check_lossless(mismatches, "greedy outputs of vLLM's speculative server differ from its target server's",
+                   directory.path)
     return {"prompts": sum(len(p) for p in prompts.values()), "languages": len(prompts), "greedy_mismatches": 0}
 
 

@@ -205,19 +205,25 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
         "router": router_summary(cfg, samples) if ev.router_langs else None,
         "environment": environment(),
     }
-    out_dir = directory.path
+    write_results(directory.path, metrics, samples, tracker, cfg.lang.pair, {"c": costs["c"]})
+    report.write_stage_report(metrics, directory.path)
+    check_lossless(mismatches, "greedy outputs differ from the target's own", directory.path)
+    return {"prompts": sum(len(p) for p in prompts.values()), "languages": len(pairs), "greedy_mismatches": 0}
+
+
+def write_results(out_dir: Path, metrics: dict, samples: list[dict], tracker, pair: str, extra: dict) -> None:
+    """metrics.json, samples.jsonl, and the main pair's mean summaries (plus ``extra``) to the tracker."""
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     with (out_dir / "samples.jsonl").open("w") as handle:
-        for row in samples:
-            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-    report.write_stage_report(metrics, out_dir)
-    main = results[cfg.lang.pair]
-    tracker.summary({f"{t}/{name}/{key}": s[key]["mean"] for t, r in main.items() for name, s in r["summary"].items()
-                     for key in SUMMARY_KEYS if key in s} | {"c": costs["c"]})
+        handle.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in samples)
+    tracker.summary({f"{t}/{name}/{key}": s[key]["mean"] for t, r in metrics["results"][pair].items()
+                     for name, s in r["summary"].items() for key in SUMMARY_KEYS if key in s} | extra)
+
+
+def check_lossless(mismatches: list, what: str, out_dir: Path) -> None:
+    """The T=0 gate: fail the stage, in one line, after its samples are written."""
     if mismatches:
-        raise LosslessError(f"{len(mismatches)} greedy outputs differ from the target's own (first: {mismatches[0]}); "
-                            f"see {out_dir / 'samples.jsonl'}")
-    return {"prompts": sum(len(p) for p in prompts.values()), "languages": len(pairs), "greedy_mismatches": 0}
+        raise LosslessError(f"{len(mismatches)} {what} (first: {mismatches[0]}); see {out_dir / 'samples.jsonl'}")
 
 
 def eval_pairs(cfg: DictConfig) -> list[str]:

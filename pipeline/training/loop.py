@@ -84,8 +84,6 @@ def check_resumable(checkpoint: Path, position: dict, writer: dict) -> None:
     order never draws from it). DeepSpeed ZeRO partitions the optimizer state over the processes that
     wrote it, in files of its own: only the same number of DeepSpeed processes loads them.
     """
-    if "processes" not in position:  # written before checkpoints recorded their writer
-        return
     saved = {key: position[key] for key in writer}
     if not (saved["deepspeed"] or writer["deepspeed"]) or (saved["deepspeed"], saved["processes"]) == (
             writer["deepspeed"], writer["processes"]):
