@@ -112,6 +112,12 @@ class HubSourceConfig:
 
 
 @dataclass
+class TranslationExample:
+    src: str = MISSING
+    tgt: str = MISSING
+
+
+@dataclass
 class LangConfig:
     pair: str = MISSING  # as the user writes it: de-en
     src: str = MISSING
@@ -119,6 +125,8 @@ class LangConfig:
     src_name: str = MISSING
     tgt_name: str = MISSING
     hub: HubSourceConfig = field(default_factory=HubSourceConfig)
+    # hand-written sentence pairs: the worked examples of back-translation's few-shot prompt
+    examples: list[TranslationExample] = field(default_factory=list)
 
 
 @dataclass
@@ -138,6 +146,9 @@ class DataConfig:
     heldout_fraction: float = 0.15
     heldout_max: int = 100
     max_train_prompts: Optional[int] = None
+    # offline sources: this many ShareGPT segments in the target language, translated into the source
+    # language by the target itself (pipeline/data/back_translation.py), become extra training prompts
+    back_translation: int = 0
     pretrain_corpora: list[CorpusConfig] = field(default_factory=lambda: [CorpusConfig(name="sharegpt")])
     pretrain_max_documents: Optional[int] = None
 
@@ -256,7 +267,8 @@ class Config:
 
 
 ConfigStore.instance().store(name="specdraft_schema", node=Config)
-SCHEMAS = {cls.__name__: cls for cls in (Config, TargetConfig, DrafterConfig, LangConfig, HubSourceConfig, DataConfig,
+SCHEMAS = {cls.__name__: cls for cls in (Config, TargetConfig, DrafterConfig, LangConfig, TranslationExample,
+                                         HubSourceConfig, DataConfig,
                                          CorpusConfig, DistillConfig, ServerConfig, TrainGroupConfig, TrainConfig,
                                          FinetuneConfig, EvalConfig, LoggerConfig, PathsConfig)}
 
@@ -352,6 +364,12 @@ def validate(cfg: DictConfig) -> None:
         problems.append("data.heldout_fraction must be in [0, 1)")
     if cfg.data.sources == SourceKind.file and not cfg.data.source_file:
         problems.append("data.sources=file needs data.source_file")
+    if cfg.data.back_translation < 0:
+        problems.append("data.back_translation must be >= 0")
+    elif cfg.data.back_translation and cfg.data.sources != SourceKind.offline:
+        problems.append("data.back_translation works on offline sources (ShareGPT); set data.back_translation=0")
+    elif cfg.data.back_translation and not cfg.lang.examples:
+        problems.append(f"data.back_translation needs worked examples: conf/lang/{cfg.lang.pair}.yaml has no `examples`")
     if cfg.data.sources == SourceKind.hub and not (cfg.lang.hub.dataset or cfg.lang.hub.file):
         problems.append(f"lang {cfg.lang.pair} has no hub dataset; use data.sources=offline or data.sources=file")
     for name in ("pretrain", "finetune"):

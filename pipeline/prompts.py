@@ -8,28 +8,32 @@ or ``target.chat_template`` for models that ship none, like Vicuna v1.3).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from omegaconf import DictConfig
 
 from pipeline.config import PromptFormat
+
+Shot = tuple[str, str]  # a worked example shown before the request: (source text, its translation)
 
 
 def instruction(target: DictConfig, lang: DictConfig, text: str) -> str:
     return target.instruction.format(src_name=lang.src_name, tgt_name=lang.tgt_name, text=text)
 
 
-def build_prompt(target: DictConfig, lang: DictConfig, text: str, tokenizer) -> str:
-    """The full prompt string (BOS excluded: the tokenizer adds it)."""
+def build_prompt(target: DictConfig, lang: DictConfig, text: str, tokenizer, shots: Sequence[Shot] = ()) -> str:
+    """The full prompt string (BOS excluded: the tokenizer adds it), after the worked ``shots``, if any."""
     if target.prompt_format == PromptFormat.completion:
         suffix = target.completion_suffix.format(src_name=lang.src_name, tgt_name=lang.tgt_name)
-        return instruction(target, lang, text) + suffix
-    return tokenizer.apply_chat_template(
-        chat_messages(target, lang, text), chat_template=target.chat_template, add_generation_prompt=True, tokenize=False
-    )
+        worked = "".join(f"{instruction(target, lang, src)}{suffix} {tgt}\n\n" for src, tgt in shots)
+        return worked + instruction(target, lang, text) + suffix
+    return tokenizer.apply_chat_template(chat_messages(target, lang, text, shots), chat_template=target.chat_template,
+                                         add_generation_prompt=True, tokenize=False)
 
 
-def chat_messages(target: DictConfig, lang: DictConfig, text: str) -> list[dict[str, str]]:
+def chat_messages(target: DictConfig, lang: DictConfig, text: str, shots: Sequence[Shot] = ()) -> list[dict[str, str]]:
     """The request as chat messages (what a chat API receives; build_prompt renders them)."""
-    messages = [{"role": "user", "content": instruction(target, lang, text)}]
-    if target.system_prompt:
-        messages.insert(0, {"role": "system", "content": target.system_prompt})
-    return messages
+    messages = [{"role": "system", "content": target.system_prompt}] if target.system_prompt else []
+    for src, tgt in shots:
+        messages += [{"role": "user", "content": instruction(target, lang, src)}, {"role": "assistant", "content": tgt}]
+    return messages + [{"role": "user", "content": instruction(target, lang, text)}]

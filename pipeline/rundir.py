@@ -39,7 +39,8 @@ STAGE_SECTIONS = {
     # Not the endpoint, concurrency or timeouts: a rerun through another server resumes the same records.
     "distill": ["target", "lang", "data", "distill.temperatures", "distill.samples_per_prompt", "distill.max_tokens",
                 "distill.top_logprobs", "distill.seed", "distill.server.dtype"],
-    "pretrain": ["target", "drafter", "data", "train.pretrain", "seed"],
+    # Only the data keys pretraining reads: new translation sources (back-translation) keep the pretrained drafter.
+    "pretrain": ["target", "drafter", "data.pretrain_corpora", "data.pretrain_max_documents", "train.pretrain", "seed"],
     "finetune": ["target", "drafter", "lang", "train.finetune", "seed"],
     "eval": ["target", "drafter", "lang", "eval"],
 }

@@ -63,6 +63,8 @@ def test_paper_recipes_carry_the_paper_settings():
         (["train.pretrain.launch=nope"], "launch 'nope' unknown; valid: ddp"),
         (["eval.methods=[target,router]"], "the router is not a method; set eval.router_langs"),
         (["lang"], "is not KEY=VALUE"),
+        (["data.back_translation=10", "data.sources=hub"], "data.back_translation works on offline sources"),
+        (["data.back_translation=10", "lang=de-en", "lang.examples=[]"], "conf/lang/de-en.yaml has no `examples`"),
     ],
 )
 def test_bad_input_is_a_one_line_error(overrides, expected):

@@ -28,6 +28,11 @@ def test_hash_follows_only_the_sections_a_stage_depends_on(runs_dir):
     distill = stage_dir(compose_config(base), "distill").config_hash
     assert stage_dir(compose_config([*base, "eval.num_draft_tokens=6"]), "distill").config_hash == distill
     assert stage_dir(compose_config([*base, "distill.max_tokens=7"]), "distill").config_hash != distill
+    pretrain = stage_dir(compose_config(base), "pretrain").config_hash
+    more_sources = compose_config([*base, "data.back_translation=50", "data.heldout_max=9"])
+    assert stage_dir(more_sources, "distill").config_hash != distill
+    assert stage_dir(more_sources, "pretrain").config_hash == pretrain  # pretraining reads none of those
+    assert stage_dir(compose_config([*base, "data.pretrain_max_documents=9"]), "pretrain").config_hash != pretrain
 
 
 def test_upstream_change_changes_downstream_hash(runs_dir):

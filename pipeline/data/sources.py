@@ -68,13 +68,14 @@ def sharegpt_segments(cache_dir: str | Path, min_chars: int, max_chars: int) -> 
     return path
 
 
-def _offline_examples(cfg: DictConfig) -> list[Example]:
+def offline_examples(cfg: DictConfig, language: str) -> list[Example]:
+    """The ShareGPT segments that language ID assigns to ``language``."""
     path = sharegpt_segments(cfg.paths.cache_dir, cfg.data.min_chars, cfg.data.max_chars)
     examples = []
     with path.open() as handle:
         for line in handle:
             record = json.loads(line)
-            if record["lang"] == cfg.lang.src:
+            if record["lang"] == language:
                 examples.append(Example(id=record["id"], src=record["text"]))
     return examples
 
@@ -111,7 +112,7 @@ def _hub_examples(cfg: DictConfig, split: str, limit: int | None) -> list[Exampl
     return examples
 
 
-def _keep(example: Example, data: DictConfig) -> bool:
+def within_length(example: Example, data: DictConfig) -> bool:
     return data.min_chars <= len(example.src) <= data.max_chars
 
 
@@ -126,14 +127,14 @@ def load_sources(cfg: DictConfig) -> tuple[list[Example], list[Example]]:
     """(train, heldout) examples of ``cfg.lang`` from ``cfg.data.sources``."""
     data = cfg.data
     if data.sources == SourceKind.hub and cfg.lang.hub.dataset:
-        train = [ex for ex in _hub_examples(cfg, cfg.lang.hub.split, data.max_train_prompts) if _keep(ex, data)]
-        heldout = [ex for ex in _hub_examples(cfg, "test", data.heldout_max) if _keep(ex, data)]
+        train = [ex for ex in _hub_examples(cfg, cfg.lang.hub.split, data.max_train_prompts) if within_length(ex, data)]
+        heldout = [ex for ex in _hub_examples(cfg, "test", data.heldout_max) if within_length(ex, data)]
         return train, heldout
     if data.sources == SourceKind.offline:
-        examples = _offline_examples(cfg)
+        examples = offline_examples(cfg, cfg.lang.src)
     else:
         examples = _file_examples(Path(data.source_file or cfg.lang.hub.file))
-    train, heldout = split_by_id([ex for ex in examples if _keep(ex, data)], data.heldout_fraction, data.heldout_max)
+    train, heldout = split_by_id([ex for ex in examples if within_length(ex, data)], data.heldout_fraction, data.heldout_max)
     if data.max_train_prompts is not None:
         train = train[: data.max_train_prompts]
     return train, heldout

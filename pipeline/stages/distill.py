@@ -7,6 +7,9 @@ OpenAI-compatible server: started here, or an external one at ``distill.server.u
 Output, in the stage directory:
     records/attempt-NNN.jsonl  one record per (id, temperature, sample), one shard per run attempt,
                                appended, flushed and fsynced per record
+    back_translations/         with data.back_translation: the target's translations of target-language
+                               segments into the source language, records of the reverse pair, done
+                               first; the usable ones are extra training prompts (pipeline/data/back_translation.py)
     failures.jsonl             requests that failed after the client's retries (retried on a rerun)
     stats.json                 records, tokens, tokens/s, failures by cause
     server/vllm.log            the server's log (when started here)
@@ -32,6 +35,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from pipeline.config import PromptFormat
+from pipeline.data import back_translation
 from pipeline.data.sources import Example, load_sources
 from pipeline.models.provision import CHECKSUMS, load_tokenizer, model_path
 from pipeline.prompts import build_prompt, chat_messages
@@ -41,6 +45,7 @@ from pipeline.serving.server import Endpoint, ServingError, VLLMServer, check_mo
 from pipeline.tracking import Tracker
 
 RECORDS_DIR = "records"
+BACK_TRANSLATIONS_DIR = "back_translations"  # the reverse pair's records (data.back_translation)
 FAILURES_FILE = "failures.jsonl"
 STATS_FILE = "stats.json"
 SERVER_DIR = "server"
@@ -210,75 +215,129 @@ def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
         lock.release()
 
 
+def _jobs(examples: list[Example], done: dict[Key, dict], cfg: DictConfig, lang: DictConfig, tokenizer,
+          temperatures, shots=()) -> tuple[list[Key], list[Job]]:
+    """Every key of the examples, and a job for each key not yet done."""
+    samples = range(cfg.distill.samples_per_prompt)
+    keys = [(ex.id, float(t), s) for ex in examples for t in temperatures for s in samples]
+    chat = cfg.target.prompt_format == PromptFormat.chat
+    by_id = {ex.id: ex for ex in examples}
+    prompts: dict[str, str] = {}
+    jobs = []
+    for key in keys:
+        if key in done:
+            continue
+        example = by_id[key[0]]
+        if example.id not in prompts:
+            prompts[example.id] = build_prompt(cfg.target, lang, example.src, tokenizer, shots)
+        messages = chat_messages(cfg.target, lang, example.src, shots) if chat else None
+        jobs.append(Job(key, example, prompts[example.id], messages))
+    return keys, jobs
+
+
 def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
     folder = model_path(cfg.target, cfg.paths.models_dir)
     check_model_folder(folder)
     tokenizer = load_tokenizer(folder)
-    train, _ = load_sources(cfg)  # held-out prompts are never distilled
-    records_dir = path / RECORDS_DIR
+    train, heldout = load_sources(cfg)  # held-out prompts are never distilled
+    records_dir, reverse_dir = path / RECORDS_DIR, path / BACK_TRANSLATIONS_DIR
     records_dir.mkdir(exist_ok=True)
-    done = load_records(records_dir)
     if (path / FAILURES_FILE).exists():
         read_jsonl(path / FAILURES_FILE)  # cut a torn last line before appending
-    samples = range(cfg.distill.samples_per_prompt)
-    keys = [(ex, float(t), s) for ex in train for t in cfg.distill.temperatures for s in samples]
-    chat = cfg.target.prompt_format == PromptFormat.chat
-    prompts: dict[str, str] = {}
-    jobs = []
-    for example, temperature, sample in keys:
-        key = (example.id, temperature, sample)
-        if key in done:
-            continue
-        if example.id not in prompts:
-            prompts[example.id] = build_prompt(cfg.target, cfg.lang, example.src, tokenizer)
-        messages = chat_messages(cfg.target, cfg.lang, example.src) if chat else None
-        jobs.append(Job(key, example, prompts[example.id], messages))
-    print(f"distill {cfg.lang.pair}: {len(train)} prompts x {len(cfg.distill.temperatures)} temperatures x "
-          f"{cfg.distill.samples_per_prompt} samples = {len(keys)} records, {len(done)} already done")
+    # Back-translation first (greedy, one answer per segment): its usable answers join the training prompts.
+    reverse_lang = back_translation.reverse(cfg.lang)
+    reverse_keys, reverse_jobs = [], []
+    if cfg.data.back_translation:
+        reverse_dir.mkdir(exist_ok=True)
+        reverse_keys, reverse_jobs = _jobs(back_translation.segments(cfg), load_records(reverse_dir), cfg,
+                                           reverse_lang, tokenizer, [0.0], back_translation.shots(cfg.lang))
 
-    stats = RunStats()
+    def training_jobs() -> tuple[list[Example], list[Key], list[Job], Counter]:
+        added, rejected = [], Counter()
+        if cfg.data.back_translation:
+            added, rejected = back_translation.new_sources(list(load_records(reverse_dir).values()), cfg,
+                                                           {ex.id for ex in train + heldout})
+        examples = train + added
+        return (examples, *_jobs(examples, load_records(records_dir), cfg, cfg.lang, tokenizer,
+                                 cfg.distill.temperatures), rejected)
+
+    examples, keys, jobs, _ = training_jobs()
+    print(f"distill {cfg.lang.pair}: {len(train)} prompts" +
+          (f" + back-translations of {len(reverse_keys)} {cfg.lang.tgt_name} segments ({len(reverse_jobs)} to do)"
+           if reverse_keys else "") +
+          f" x {len(cfg.distill.temperatures)} temperatures x {cfg.distill.samples_per_prompt} samples, "
+          f"{len(keys) - len(jobs)} records already done")
+
+    stats = reverse_stats = RunStats()
     elapsed = 0.0
-    if jobs:
+    if jobs or reverse_jobs:
         out = AppendOnlyJsonl(records_dir / f"attempt-{len(list(records_dir.glob('*.jsonl'))):03d}.jsonl")
+        reverse_out = AppendOnlyJsonl(reverse_dir / f"attempt-{len(list(reverse_dir.glob('*.jsonl'))):03d}.jsonl")
         failures = AppendOnlyJsonl(path / FAILURES_FILE)
+        revision = model_revision(cfg.target, folder)
         try:
             with serve(cfg, folder, path) as server:
                 endpoint = server.endpoint if server else Endpoint(
                     url=cfg.distill.server.url,
                     api_key=cfg.distill.server.api_key or os.environ.get("OPENAI_API_KEY", "EMPTY"))
-                client = TargetClient(endpoint, cfg.target, max_tokens=cfg.distill.max_tokens,
-                                      top_logprobs=cfg.distill.top_logprobs,
-                                      timeout_s=cfg.distill.request_timeout_s, max_retries=cfg.distill.max_retries)
-                with tqdm(total=len(keys), initial=len(done), desc=f"distill {cfg.lang.pair}", unit="rec") as progress:
-                    started = time.monotonic()
-                    stats = asyncio.run(distill(jobs, client, out, failures, cfg, model_revision(cfg.target, folder),
-                                                  server, progress, tracker))
-                    elapsed = time.monotonic() - started
+
+                def run_jobs(jobs: list[Job], out: AppendOnlyJsonl, progress: tqdm) -> RunStats:
+                    client = TargetClient(endpoint, cfg.target, max_tokens=cfg.distill.max_tokens,
+                                          top_logprobs=cfg.distill.top_logprobs,
+                                          timeout_s=cfg.distill.request_timeout_s, max_retries=cfg.distill.max_retries)
+                    return asyncio.run(distill(jobs, client, out, failures, cfg, revision, server, progress, tracker))
+
+                started = time.monotonic()
+                if reverse_jobs:
+                    with tqdm(total=len(reverse_keys), initial=len(reverse_keys) - len(reverse_jobs),
+                              desc=f"back-translate {reverse_lang.pair}", unit="rec") as progress:
+                        reverse_stats = run_jobs(reverse_jobs, reverse_out, progress)
+                    examples, keys, jobs, _ = training_jobs()
+                if not reverse_stats.aborted:
+                    with tqdm(total=len(keys), initial=len(keys) - len(jobs), desc=f"distill {cfg.lang.pair}",
+                              unit="rec") as progress:
+                        stats = run_jobs(jobs, out, progress)
+                elapsed = time.monotonic() - started
         finally:
             out.close()
+            reverse_out.close()
             failures.close()
 
-    total_records = len(done) + stats.records
+    done = load_records(records_dir)
+    examples, keys, _, rejected = training_jobs()
+    reverse_done = load_records(reverse_dir) if reverse_keys else {}
+    new_tokens = stats.completion_tokens + reverse_stats.completion_tokens
+    failed = stats.failures + reverse_stats.failures
     summary = {
-        "records": total_records,
+        "records": len(done),
         "expected_records": len(keys),
         "new_records": stats.records,
-        "completion_tokens": sum(r["completion_tokens"] for r in done.values()) + stats.completion_tokens,
+        "completion_tokens": sum(r["completion_tokens"] for r in done.values()),
         "new_completion_tokens": stats.completion_tokens,
-        "tokens_per_s": round(stats.completion_tokens / elapsed, 1) if elapsed else None,
+        "tokens_per_s": round(new_tokens / elapsed, 1) if elapsed else None,
         "generation_time_s": round(elapsed, 1),
-        "failures": dict(stats.failures),
+        "failures": dict(failed),
     }
+    if reverse_keys:
+        summary["back_translation"] = {
+            "segments": len(reverse_keys), "answered": len(reverse_done), "prompts_added": len(examples) - len(train),
+            "rejected": dict(rejected), "completion_tokens": sum(r["completion_tokens"] for r in reverse_done.values()),
+        }
     (path / STATS_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-    tracker.summary({f"distill/{k}": v for k, v in summary.items() if k != "failures"})
-    print(f"distill {cfg.lang.pair}: {total_records}/{len(keys)} records ({stats.records} new, "
-          f"{stats.completion_tokens} tokens at {summary['tokens_per_s'] or 0:.0f} tok/s), "
-          f"{sum(stats.failures.values())} failed requests -> {records_dir}")
+    tracker.summary({f"distill/{k}": v for k, v in summary.items() if k not in ("failures", "back_translation")})
+    print(f"distill {cfg.lang.pair}: {len(done)}/{len(keys)} records ({stats.records} new, "
+          f"{new_tokens} tokens at {summary['tokens_per_s'] or 0:.0f} tok/s), "
+          f"{sum(failed.values())} failed requests -> {records_dir}")
+    if reverse_keys:
+        bt = summary["back_translation"]
+        print(f"back-translation: {bt['prompts_added']} {cfg.lang.src_name} prompts from {bt['answered']}/"
+              f"{bt['segments']} answered segments (rejected: {dict(rejected) or 'none'}) -> {reverse_dir}")
 
-    transient = {cause: n for cause, n in stats.failures.items() if is_transient(cause)}
-    if stats.aborted or transient:
-        reason = stats.aborted or f"{sum(transient.values())} requests failed ({', '.join(transient)})"
-        raise DistillIncompleteError(f"{reason}; {len(keys) - total_records} records missing "
+    transient = {cause: n for cause, n in failed.items() if is_transient(cause)}
+    missing = len(keys) - len(done) + len(reverse_keys) - len(reverse_done)
+    if stats.aborted or reverse_stats.aborted or transient:
+        reason = stats.aborted or reverse_stats.aborted or f"{sum(transient.values())} requests failed ({', '.join(transient)})"
+        raise DistillIncompleteError(f"{reason}; {missing} records missing "
                                      f"(see {path / FAILURES_FILE}); rerun `{make_command(cfg, 'distill')}` to resume")
-    return {"records": total_records, "completion_tokens": summary["completion_tokens"],
-            "failed_requests": len(keys) - total_records}
+    return {"records": len(done), "completion_tokens": summary["completion_tokens"],
+            "failed_requests": len(keys) - len(done)}
