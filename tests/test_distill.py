@@ -24,7 +24,7 @@ from pipeline.models.provision import load_tokenizer
 from pipeline.prompts import build_prompt
 from pipeline.rundir import stage_dir
 from pipeline.serving.server import INFO_FILE, ServingError
-from pipeline.stages.distill import load_records, read_jsonl, request_seed
+from pipeline.stages.distill import AppendOnlyJsonl, load_records, read_jsonl, request_seed
 
 CACHE = REPO_ROOT / "runs" / "cache"
 FIELDS = {"id", "temperature", "sample", "prompt", "response", "finish_reason", "stop_reason", "prompt_tokens",
@@ -51,7 +51,7 @@ def expected_keys(args: list[str]) -> set:
 
 def all_records(path: Path) -> list[dict]:
     return [json.loads(line) for shard in sorted((path / "records").glob("*.jsonl"))
-            for line in shard.read_text().splitlines()]
+            for line in shard.read_text().split("\n") if line]
 
 
 def count_lines(path: Path) -> int:
@@ -109,6 +109,16 @@ def test_torn_last_line_is_cut_and_only_complete_records_count(tmp_path):
     assert keys == {("e0", 0.3, 0), ("e1", 0.3, 0), ("e2", 0.3, 0), ("e9", 0.3, 0)}
     assert (records / "attempt-001.jsonl").read_text().endswith("}\n")  # the torn tail is gone, appends start clean
     assert len(read_jsonl(records / "attempt-001.jsonl")) == 1
+
+
+def test_answers_with_unicode_line_separators_read_back_whole(tmp_path):
+    """gemma-3-270m answered one demo prompt with a U+2028 in it: JSON keeps it raw, and it is not a line end."""
+    out = AppendOnlyJsonl(tmp_path / "attempt-000.jsonl")
+    answers = ["defend these\u2028first", "a\x85b\x1cc\u2029d", "plain"]
+    for i, response in enumerate(answers):
+        out.append({"id": f"e{i}", "temperature": 1.0, "sample": 0, "response": response})
+    out.close()
+    assert [r["response"] for r in read_jsonl(tmp_path / "attempt-000.jsonl")] == answers
 
 
 def test_duplicate_records_are_refused(tmp_path):

@@ -66,7 +66,8 @@ def read_jsonl(path: Path) -> list[dict]:
     if len(complete) != len(data):
         with path.open("r+b") as handle:
             handle.truncate(len(complete))
-    return [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
+    # split at "\n" only: str.splitlines would also cut at U+2028 and the like, which JSON keeps raw in answers
+    return [json.loads(line) for line in complete.decode().split("\n") if line.strip()]
 
 
 class AppendOnlyJsonl:
@@ -136,8 +137,10 @@ class RunStats:
 
 async def distill(jobs: list[Job], client: TargetClient, out: AppendOnlyJsonl, failures: AppendOnlyJsonl,
                   cfg: DictConfig, revision: str | None, server: VLLMServer | None, progress: tqdm,
-                  tracker: Tracker) -> RunStats:
-    """Runs the jobs with ``distill.concurrency`` requests in flight; stops early when the server is gone."""
+                  tracker: Tracker, metric: str = "distill") -> RunStats:
+    """Runs the jobs with ``distill.concurrency`` requests in flight; stops early when the server is gone.
+
+    Progress goes to the tracker as ``<metric>/records`` and ``<metric>/tokens_per_s``."""
     stats = RunStats()
     model = await client.resolve_model()
     queue = list(reversed(jobs))
@@ -181,7 +184,8 @@ async def distill(jobs: list[Job], client: TargetClient, out: AppendOnlyJsonl, f
             progress.set_postfix_str(f"{tokens_per_s:.0f} tok/s", refresh=False)
             progress.update()
             if stats.records % LOG_EVERY == 0:
-                tracker.log({"distill/records": progress.n, "distill/tokens_per_s": tokens_per_s}, step=progress.n)
+                # no explicit step: the back-translation pass logs first, and wandb steps must only grow
+                tracker.log({f"{metric}/records": progress.n, f"{metric}/tokens_per_s": tokens_per_s})
 
     await asyncio.gather(*(worker() for _ in range(cfg.distill.concurrency)))
     await client.close()
@@ -268,7 +272,7 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
           f" x {len(cfg.distill.temperatures)} temperatures x {cfg.distill.samples_per_prompt} samples, "
           f"{len(keys) - len(jobs)} records already done")
 
-    stats = reverse_stats = RunStats()
+    stats, reverse_stats = RunStats(), RunStats()
     elapsed = 0.0
     if jobs or reverse_jobs:
         out = AppendOnlyJsonl(records_dir / f"attempt-{len(list(records_dir.glob('*.jsonl'))):03d}.jsonl")
@@ -281,22 +285,23 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
                     url=cfg.distill.server.url,
                     api_key=cfg.distill.server.api_key or os.environ.get("OPENAI_API_KEY", "EMPTY"))
 
-                def run_jobs(jobs: list[Job], out: AppendOnlyJsonl, progress: tqdm) -> RunStats:
+                def run_jobs(jobs: list[Job], out: AppendOnlyJsonl, progress: tqdm, metric: str) -> RunStats:
                     client = TargetClient(endpoint, cfg.target, max_tokens=cfg.distill.max_tokens,
                                           top_logprobs=cfg.distill.top_logprobs,
                                           timeout_s=cfg.distill.request_timeout_s, max_retries=cfg.distill.max_retries)
-                    return asyncio.run(distill(jobs, client, out, failures, cfg, revision, server, progress, tracker))
+                    return asyncio.run(distill(jobs, client, out, failures, cfg, revision, server, progress, tracker,
+                                               metric))
 
                 started = time.monotonic()
                 if reverse_jobs:
                     with tqdm(total=len(reverse_keys), initial=len(reverse_keys) - len(reverse_jobs),
                               desc=f"back-translate {reverse_lang.pair}", unit="rec") as progress:
-                        reverse_stats = run_jobs(reverse_jobs, reverse_out, progress)
+                        reverse_stats = run_jobs(reverse_jobs, reverse_out, progress, "back_translation")
                     examples, keys, jobs, _ = training_jobs()
                 if not reverse_stats.aborted:
                     with tqdm(total=len(keys), initial=len(keys) - len(jobs), desc=f"distill {cfg.lang.pair}",
                               unit="rec") as progress:
-                        stats = run_jobs(jobs, out, progress)
+                        stats = run_jobs(jobs, out, progress, "distill")
                 elapsed = time.monotonic() - started
         finally:
             out.close()
@@ -324,7 +329,8 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
             "rejected": dict(rejected), "completion_tokens": sum(r["completion_tokens"] for r in reverse_done.values()),
         }
     (path / STATS_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-    tracker.summary({f"distill/{k}": v for k, v in summary.items() if k not in ("failures", "back_translation")})
+    tracker.summary({f"distill/{k}": v for k, v in summary.items() if k not in ("failures", "back_translation")} |
+                    {f"back_translation/{k}": v for k, v in summary.get("back_translation", {}).items() if k != "rejected"})
     print(f"distill {cfg.lang.pair}: {len(done)}/{len(keys)} records ({stats.records} new, "
           f"{new_tokens} tokens at {summary['tokens_per_s'] or 0:.0f} tok/s), "
           f"{sum(failed.values())} failed requests -> {records_dir}")
