@@ -27,13 +27,13 @@ def test_the_completion_prompt_shows_the_worked_examples_the_other_way_round():
     assert build_prompt(cfg.target, cfg.lang, "Guten Morgen.", None) == "Translate German to English: Guten Morgen.\nEnglish:"
 
 
-def test_chat_targets_get_the_worked_examples_as_earlier_turns():
+def test_chat_targets_get_the_worked_examples_as_earlier_turns(smollm_path):
     cfg = compose_config(["recipe=ci", "lang=fr-en"])
     messages = chat_messages(cfg.target, reverse(cfg.lang), "Good morning.", shots(cfg.lang))
     assert [m["role"] for m in messages] == ["user", "assistant"] * len(cfg.lang.examples) + ["user"]
     assert messages[1]["content"] == cfg.lang.examples[0].src
     assert messages[-1]["content"] == "Translate English to French: Good morning."
-    tokenizer = load_tokenizer(str(REPO_ROOT / "models" / "smollm2-135m"))
+    tokenizer = load_tokenizer(smollm_path)
     rendered = build_prompt(cfg.target, reverse(cfg.lang), "Good morning.", tokenizer, shots(cfg.lang))
     assert cfg.lang.examples[2].src in rendered and rendered.rstrip().endswith("assistant")
 
