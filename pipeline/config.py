@@ -216,6 +216,8 @@ class TrainGroupConfig:
 @dataclass
 class EvalConfig:
     num_draft_tokens: int = 4  # K
+    # Dynamic draft length: a round's draft stops before a token the drafter gives less probability (0: always K).
+    draft_confidence: float = 0.0
     k_sweep: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8])
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
@@ -225,8 +227,9 @@ class EvalConfig:
     num_prompts: int = 50
     repetitions: int = 3
     warmup: int = 1
-    # target (always run: the baseline) | speculative | pld | hf (transformers generate) | hf_assisted
-    methods: list[str] = field(default_factory=lambda: ["target", "speculative", "pld", "hf", "hf_assisted"])
+    # target (always run: the baseline) | speculative | pld | hybrid (prompt lookup, else the drafter)
+    # | hf (transformers generate) | hf_assisted
+    methods: list[str] = field(default_factory=lambda: ["target", "speculative", "pld", "hybrid", "hf", "hf_assisted"])
     drafter_path: Optional[str] = None  # any HF folder instead of the finetune stage's drafter
     matrix_langs: list[str] = field(default_factory=list)  # cross-language: evaluate on these pairs too
     # language router: a `mixed` set of these pairs' held-out prompts, each drafted by the finetuned drafter
@@ -388,7 +391,9 @@ def validate(cfg: DictConfig) -> None:
             problems.append(f"train.{name}.launch '{tc.launch}' unknown; valid: {', '.join(launches)}")
     if cfg.eval.engine not in ("transformers", "vllm"):
         problems.append("eval.engine must be transformers or vllm")
-    eval_methods = ("target", "speculative", "pld", "hf", "hf_assisted")
+    eval_methods = ("target", "speculative", "pld", "hybrid", "hf", "hf_assisted")
+    if not 0 <= cfg.eval.draft_confidence < 1:
+        problems.append("eval.draft_confidence must be in [0, 1): the drafter probability below which a draft stops")
     if "router" in cfg.eval.methods:
         problems.append("eval.methods: the router is not a method; set eval.router_langs=[de-en,fr-en] to run it")
     elif unknown := [m for m in cfg.eval.methods if m not in eval_methods]:

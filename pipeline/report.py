@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 METHOD_NAMES = {"target": "target only", "speculative": "speculative (ours)", "pld": "prompt lookup (PLD)",
-                "hf": "HF generate", "hf_assisted": "HF assisted", "router": "language router"}
+                "hybrid": "lookup, else drafter (ours)", "hf": "HF generate", "hf_assisted": "HF assisted", "router": "language router"}
 
 
 def cell(summary: dict, key: str, fmt: str = "{:.2f}") -> str:
@@ -51,7 +51,7 @@ def speedup_table(metrics: dict, label: str = "") -> list[tuple[str, list[str]]]
 def stage_report(metrics: dict) -> str:
     header = ["method", *[f"{pair} {t}" for pair, t in columns(metrics)]]
     acceptance = []
-    for method in ("speculative", "pld", "router"):
+    for method in ("speculative", "pld", "hybrid", "router"):
         if not any(method in metrics["results"][p][t]["summary"] for p, t in columns(metrics)):
             continue
         for key, name in (("alpha", "α"), ("tau", "τ")):
@@ -64,7 +64,10 @@ def stage_report(metrics: dict) -> str:
         "",
         f"target `{metrics['target']}`, drafter `{metrics['drafter']}`"
         + (f" (reduced vocabulary: {metrics['reduced_vocab']} ids)" if metrics.get("reduced_vocab") else ""),
-        f"K = {metrics['K']}, max_new_tokens = {metrics['max_new_tokens']}, median of {metrics['repetitions']} "
+        f"K = {metrics['K']}"
+        + (f" (a draft stops below drafter confidence {metrics['draft_confidence']:g})"
+           if metrics.get("draft_confidence") else "")
+        + f", max_new_tokens = {metrics['max_new_tokens']}, median of {metrics['repetitions']} "
         f"repetitions, mean ± std over seeds; {metrics['environment']['device']} "
         f"({metrics['environment']['cpu_count']} cores), torch {metrics['environment']['torch']}, "
         f"transformers {metrics['environment']['transformers']}",

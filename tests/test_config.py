@@ -62,6 +62,7 @@ def test_paper_recipes_carry_the_paper_settings():
         (["eval.num_draft_tokens=0"], "must be >= 1"),
         (["train.pretrain.launch=nope"], "launch 'nope' unknown; valid: ddp"),
         (["eval.methods=[target,router]"], "the router is not a method; set eval.router_langs"),
+        (["eval.draft_confidence=1.5"], "eval.draft_confidence must be in [0, 1)"),
         (["lang"], "is not KEY=VALUE"),
         (["data.back_translation=10", "data.sources=hub"], "data.back_translation works on offline sources"),
         (["data.back_translation=10", "lang=de-en", "lang.examples=[]"], "conf/lang/de-en.yaml has no `examples`"),

@@ -9,6 +9,7 @@ from transformers import Gemma3TextConfig, Gemma3ForCausalLM, LlamaConfig, Llama
 from pipeline.models.vocab import VocabMap
 from pipeline.speculative.engine import (
     CachedModel,
+    LookupThenModelDrafter,
     ModelDrafter,
     PromptLookupDrafter,
     StopCondition,
@@ -80,11 +81,47 @@ def test_greedy_is_token_exact(make):
     reference = full_greedy(target.model, PROMPT, steps)
     plain = generate(target, PROMPT, steps, NO_STOP)
     assert plain.tokens == reference and plain.target_calls == steps
-    for drafter in (ModelDrafter(make(1)), PromptLookupDrafter(VOCAB)):
+    drafters = (ModelDrafter(make(1)), PromptLookupDrafter(VOCAB), ModelDrafter(make(1), min_confidence=0.03),
+                LookupThenModelDrafter(PromptLookupDrafter(VOCAB), ModelDrafter(make(1))))
+    for drafter in drafters:
         for k in (1, 3, 5):
             out = generate(target, PROMPT, steps, NO_STOP, drafter=drafter, k=k)
             assert out.tokens == reference, (type(drafter).__name__, k)
             assert sum(out.accepted) + out.target_calls == len(out.tokens)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_confidence_cut_drafts_fewer_tokens_when_the_drafter_is_unsure(temperature):
+    model = llama(0)
+    reference = generate(CachedModel(model), PROMPT, 30, NO_STOP, Sampling(temperature), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([PROMPT[0].tolist() + reference.tokens])).logits[0]
+    confidences = torch.softmax(logits, -1).max(-1).values
+    cut = float(confidences.median())  # about half the drafts fall below it
+    k, outputs = 4, {}
+    for min_confidence in (0.0, cut, 1.01):
+        out = generate(CachedModel(model), PROMPT, 30, NO_STOP, Sampling(temperature),
+                       drafter=ModelDrafter(model, min_confidence=min_confidence), k=k, generator=torch.Generator().manual_seed(0))
+        assert out.accepted == out.drafted  # the target itself drafts: whatever is drafted is accepted
+        outputs[min_confidence] = out
+    assert set(outputs[0.0].drafted[:-1]) == {k}
+    assert 0 < sum(outputs[cut].drafted) < sum(outputs[0.0].drafted)
+    assert set(outputs[1.01].drafted) == {0} and outputs[1.01].target_calls == 30  # never drafts: the target alone
+    if temperature == 0:
+        assert outputs[cut].tokens == outputs[0.0].tokens == outputs[1.01].tokens == reference.tokens
+
+
+def test_lookup_then_model_drafts_from_the_context_where_it_matches():
+    target = CachedModel(llama(0))
+    reference = full_greedy(target.model, PROMPT, 30)
+    drafter = LookupThenModelDrafter(PromptLookupDrafter(VOCAB), ModelDrafter(llama(1)))
+    assert drafter.propose(PROMPT[:, :6], 3, Sampling(), None)[0].tolist() == [[13, 5, 9]]  # "5 9" recurs: copied
+    no_match = torch.tensor([[1, 2, 3]])
+    drafted = drafter.propose(no_match, 3, Sampling(), None)[0]
+    drafter.reset()
+    assert drafted.tolist() == ModelDrafter(llama(1)).propose(no_match, 3, Sampling(), None)[0].tolist()
+    out = generate(target, PROMPT, 30, NO_STOP, drafter=drafter, k=4)
+    assert out.tokens == reference
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -154,24 +191,34 @@ def test_reduced_vocab_drafter_greedy_exact(make):
         assert 0 < sum(out.accepted) < sum(out.drafted)  # it proposes tokens the target accepts, and some it rejects
 
 
-@pytest.mark.slow  # 4000 generations
-def test_reduced_vocab_drafter_sampling_is_target_distribution():
-    """First two emitted tokens at T=1 over many seeds, against the target's exact two-token distribution."""
+@pytest.mark.slow  # 4000 generations each
+@pytest.mark.parametrize("variant", ["fixed_k", "confidence_cut", "lookup_then_model"])
+def test_reduced_vocab_drafter_sampling_is_target_distribution(variant):
+    """First two emitted tokens at T=1 over many seeds, against the target's exact two-token distribution:
+    with K drafts per round, with a dynamic draft length, and with prompt lookup in the rounds it matches."""
     vocab = 8
     target_model = llama(0, vocab=vocab, hidden=16)
     vocab_map = VocabMap(torch.tensor([0, 2, 3, 6]), vocab)
-    drafter = ModelDrafter(llama(1, vocab=vocab_map.drafter_vocab_size, hidden=16), vocab_map)
-    prompt = torch.tensor([[1, 2, 3]])
+    drafter_model = llama(4, vocab=vocab_map.drafter_vocab_size, hidden=16)
+    with torch.no_grad():  # sharper: its top probability is 0.36 at the first draft, 0.27-0.36 at the second
+        drafter_model.lm_head.weight.mul_(3)
+    drafter = ModelDrafter(drafter_model, vocab_map, min_confidence=0.32 if variant == "confidence_cut" else 0.0)
+    if variant == "lookup_then_model":
+        drafter = LookupThenModelDrafter(PromptLookupDrafter(vocab), drafter)
+    prompt = torch.tensor([[1, 2, 3, 2]])  # "2" recurs: lookup drafts "3 2" in the first round
     with torch.inference_mode():
         first = torch.softmax(target_model(input_ids=prompt).logits[0, -1], -1)
         second = torch.softmax(target_model(input_ids=torch.cat([prompt.repeat(vocab, 1), torch.arange(vocab)[:, None]], 1)).logits[:, -1], -1)
     expected = (first[:, None] * second).flatten().double()
     target = CachedModel(target_model)
     g = torch.Generator().manual_seed(0)
-    samples = []
-    for _ in range(4000):
-        out = generate(target, prompt, 2, NO_STOP, Sampling(1.0), drafter=drafter, k=2, generator=g)
+    samples, first_round_drafts = [], set()
+    for _ in range(4000):  # three tokens: the first round drafts two
+        out = generate(target, prompt, 3, NO_STOP, Sampling(1.0), drafter=drafter, k=2, generator=g)
         samples.append(out.tokens[0] * vocab + out.tokens[1])
+        first_round_drafts.add(out.drafted[0])
+    if variant == "confidence_cut":  # the second draft is cut after some first drafts and not after others
+        assert first_round_drafts == {1, 2}
     counts = torch.bincount(torch.tensor(samples), minlength=vocab * vocab).double()
     tv = float((counts / counts.sum() - expected).abs().sum() / 2)
     assert tv < 0.06, tv  # 64 cells, 4000 samples: sampling noise alone gives TV ~ 0.03-0.04

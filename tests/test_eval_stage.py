@@ -35,9 +35,10 @@ def test_eval_stage_writes_metrics_report_and_passes_greedy_gate(ci_drafter, run
     assert 0 <= spec["alpha"] <= 1 and 1 <= spec["tau"] <= cfg.eval.num_draft_tokens + 1
     assert len(spec["acceptance_per_position"]) == cfg.eval.num_draft_tokens
     assert greedy["summary"]["target"]["speedup"]["mean"] == 1.0
-    assert {"speculative", "pld", "hf", "hf_assisted", "speculative_k2"} <= set(greedy["summary"])
+    assert {"speculative", "pld", "hybrid", "hf", "hf_assisted", "speculative_k2"} <= set(greedy["summary"])
     assert "speculative_k2" not in sampled["summary"]  # the K sweep runs at T=0 only
     assert set(metrics["k_sweep"]["per_k"]) == {"2", "4"}
+    assert metrics["draft_confidence"] == 0.0
     assert 0 < metrics["costs"]["c"] and metrics["costs"]["v"]["4"] > 0
     assert metrics["environment"]["device"] == "cpu"
     rows = [json.loads(line) for line in (out / "samples.jsonl").open()]

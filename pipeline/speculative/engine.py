@@ -61,27 +61,41 @@ class CachedModel:
 
 
 class ModelDrafter:
-    """Proposes K tokens autoregressively from a (possibly reduced-vocabulary) drafter model."""
+    """Proposes up to K tokens autoregressively from a (possibly reduced-vocabulary) drafter model.
 
-    def __init__(self, model, vocab_map: VocabMap | None = None):
+    With ``min_confidence`` > 0 a round's draft ends before the first position where the drafter's most
+    likely token has less probability than that (dynamic draft length): a weak drafter's unsure guesses
+    cost a drafter step and a verify position each and are mostly rejected. The cut depends on the
+    drafter's own distribution only, so the output distribution stays the target's.
+    """
+
+    def __init__(self, model, vocab_map: VocabMap | None = None, min_confidence: float = 0.0):
         self.lm = CachedModel(model, vocab_map)
+        self.min_confidence = min_confidence
 
     def reset(self) -> None:
         self.lm.reset()
 
     def propose(self, sequence, k, sampling, generator):
-        """(draft_tokens (1, k), draft_probs (1, k, V) or None when greedy)."""
+        """(draft_tokens (1, n), draft_probs (1, n, V) or None when greedy), n <= k."""
         tokens, probs = [], []
         logits = self.lm.feed(sequence)[:, -1]
         for i in range(k):
-            if sampling.greedy:
+            distribution = probabilities(logits, sampling) if not sampling.greedy else None
+            if self.min_confidence > 0:
+                confidence = (distribution if distribution is not None else torch.softmax(logits, -1)).max()
+                if confidence < self.min_confidence:
+                    break
+            if distribution is None:
                 token = logits.argmax(-1)
             else:
-                probs.append(probabilities(logits, sampling))
-                token = sample(probs[-1], generator)
+                probs.append(distribution)
+                token = sample(distribution, generator)
             tokens.append(token)
             if i < k - 1:
                 logits = self.lm.forward(token[:, None], keep=1)[:, -1]
+        if not tokens:
+            return sequence.new_zeros((1, 0)), None
         draft_probs = torch.stack(probs, dim=1) if probs else None
         return torch.stack(tokens, dim=1), draft_probs
 
@@ -118,6 +132,28 @@ class PromptLookupDrafter:
 
     def rollback(self, length: int) -> None:
         pass
+
+
+class LookupThenModelDrafter:
+    """Prompt lookup where the context offers an n-gram match, the drafter model elsewhere: translations
+    copy names, numbers and code from the prompt, which lookup drafts for free and a small drafter often
+    misses, while the drafter covers the rounds with no match. Each round's proposal comes from one of the
+    two, chosen from the context alone, so verification stays exact."""
+
+    def __init__(self, lookup: PromptLookupDrafter, model: ModelDrafter):
+        self.lookup, self.model = lookup, model
+
+    def reset(self) -> None:
+        self.model.reset()
+
+    def propose(self, sequence, k, sampling, generator):
+        tokens, probs = self.lookup.propose(sequence, k, sampling, generator)
+        if tokens.shape[1] > 0:
+            return tokens, probs
+        return self.model.propose(sequence, k, sampling, generator)
+
+    def rollback(self, length: int) -> None:
+        self.model.rollback(length)
 
 
 class StopCondition:
@@ -172,7 +208,7 @@ def generate(
     max_new_tokens: int,
     stop: StopCondition,
     sampling: Sampling = Sampling(),
-    drafter: ModelDrafter | PromptLookupDrafter | None = None,
+    drafter: ModelDrafter | PromptLookupDrafter | LookupThenModelDrafter | None = None,
     k: int = 0,
     generator: torch.Generator | None = None,
 ) -> Generation:

@@ -4,8 +4,10 @@ Every method decodes the same held-out prompts (build_prompt, as distillation sa
 max_new_tokens, stop strings and seeds, interleaved prompt by prompt so machine load hits all alike:
 
 - ``target``: the target alone through our loop (the baseline: same forward path as speculative)
-- ``speculative``: our engine with the drafter and K = eval.num_draft_tokens (and each K of eval.k_sweep at T=0)
+- ``speculative``: our engine with the drafter and K = eval.num_draft_tokens (and each K of eval.k_sweep at T=0);
+  with eval.draft_confidence > 0 a round drafts fewer than K when the drafter is unsure (also in hybrid, router)
 - ``pld``: prompt-lookup decoding, n-gram drafts from the context, no model (the paper's PLD row)
+- ``hybrid``: prompt lookup in rounds where the context has a match, the drafter in the others
 - ``hf`` / ``hf_assisted``: transformers' generate, plain and with the drafter as assistant_model (K
   drafts per round, constant schedule, no confidence cut); assisted needs a full-vocabulary drafter
 - ``router`` (with ``eval.router_langs``): on a ``mixed`` set of those pairs' held-out prompts, each
@@ -40,6 +42,7 @@ from pipeline.rundir import StageInputError, make_command, stage_dir
 from pipeline.speculative import LosslessError
 from pipeline.speculative.engine import (
     CachedModel,
+    LookupThenModelDrafter,
     ModelDrafter,
     PromptLookupDrafter,
     StopCondition,
@@ -52,7 +55,9 @@ from pipeline.speculative.metrics import mean_std, measure, method_stats, speedu
 from pipeline.speculative.router import LanguageRouter
 from pipeline.speculative.sampler import Sampling
 
-METHODS = ("target", "speculative", "pld", "hf", "hf_assisted", "router")
+METHODS = ("target", "speculative", "pld", "hybrid", "hf", "hf_assisted", "router")
+MODEL_DRAFTED = ("speculative", "hybrid", "router")  # the methods that pay drafter steps
+EXACT_AT_T0 = ("speculative", "pld", "hybrid", "router")  # our loop: greedy output must be the target's
 MIXED = "mixed"  # the router's prompt set: held-out prompts of every eval.router_langs pair
 SUMMARY_KEYS = ("speedup", "tokens_per_s", "alpha", "tau", "predicted_speedup")
 
@@ -89,12 +94,15 @@ class Decoders:
         self.cfg = cfg
         self.target_model, self.drafter_model = target_model, drafter_model
         self.target = CachedModel(target_model)
-        self.drafter = ModelDrafter(drafter_model, vocab_map)
+        confidence = cfg.eval.draft_confidence
+        self.drafter = ModelDrafter(drafter_model, vocab_map, confidence)
         self.pld = PromptLookupDrafter(target_model.config.vocab_size)
+        self.hybrid = LookupThenModelDrafter(self.pld, self.drafter)
         self.stop = StopCondition(tokenizer, cfg.target.stop, eos_ids(tokenizer, target_model))
         self.hf_assisted = vocab_map is None  # transformers' assistant must share the target's vocabulary
         self.router = LanguageRouter(
-            {src: ModelDrafter(model.eval(), vocab) for src, (model, vocab) in router_drafters.items()}, self.drafter)
+            {src: ModelDrafter(model.eval(), vocab, confidence) for src, (model, vocab) in router_drafters.items()},
+            self.drafter)
 
     def variants(self, first_pass: bool, pair: str) -> list[tuple[str, str, int]]:
         """(name, method, K) to run; the K sweep only in the first (T=0, first seed) pass; the router
@@ -115,7 +123,8 @@ class Decoders:
             assistant = self.drafter_model if method == "hf_assisted" else None
             return timed(lambda: hf_generate(self.target_model, ids, ev.max_new_tokens, self.stop, sampling, seed,
                                              assistant=assistant, k=k))
-        drafter = {"target": None, "speculative": self.drafter, "pld": self.pld, "router": routed}[method]
+        drafter = {"target": None, "speculative": self.drafter, "pld": self.pld, "hybrid": self.hybrid,
+                   "router": routed}[method]
         return generate(self.target, ids, ev.max_new_tokens, self.stop, sampling, drafter=drafter, k=k, generator=g)
 
 
@@ -177,7 +186,7 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
                         row["methods"][name] = {"output": decoders.stop.text(out.tokens), "tokens": len(out.tokens),
                                                 "accept_lengths": out.accepted, "drafted": out.drafted,
                                                 "seconds": out.seconds}
-                        if temperature == 0 and method in ("speculative", "pld", "router") and out.tokens != outputs["target"][-1].tokens:
+                        if temperature == 0 and method in EXACT_AT_T0 and out.tokens != outputs["target"][-1].tokens:
                             mismatches.append({"lang": pair, "id": example.id, "method": name})
                     samples.append(row)
                 per_seed[seed] = seed_stats(outputs, variants, costs)
@@ -194,6 +203,7 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
         "reduced_vocab": vocab_map.drafter_vocab_size - 1 if vocab_map is not None else None,
         "trained_on": cfg.lang.pair,
         "K": ev.num_draft_tokens,
+        "draft_confidence": ev.draft_confidence,
         "max_new_tokens": ev.max_new_tokens,
         "repetitions": ev.repetitions,
         "costs": costs,
@@ -268,7 +278,7 @@ def seed_stats(outputs: dict, variants: list, costs: dict) -> dict:
     for name, method, k in variants:
         stats[name]["speedup"] = speedup(stats[name], stats["target"])
         if "alpha" in stats[name]:
-            c = costs["c"] if method == "speculative" else 0.0  # a prompt lookup costs next to nothing
+            c = costs["c"] if method in MODEL_DRAFTED else 0.0  # a prompt lookup costs next to nothing
             stats[name]["predicted_speedup"] = predicted_speedup(stats[name]["alpha"], k, c, costs["v"].get(k, 1.0))
     return stats
 
