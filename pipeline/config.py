@@ -213,6 +213,10 @@ class TrainGroupConfig:
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
 
+# What eval.methods may name (the eval stage adds the router on its own mixed prompt set).
+EVAL_METHODS = ("target", "speculative", "pld", "hybrid", "hf", "hf_assisted")
+
+
 @dataclass
 class EvalConfig:
     num_draft_tokens: int = 4  # K
@@ -391,13 +395,12 @@ def validate(cfg: DictConfig) -> None:
             problems.append(f"train.{name}.launch '{tc.launch}' unknown; valid: {', '.join(launches)}")
     if cfg.eval.engine not in ("transformers", "vllm"):
         problems.append("eval.engine must be transformers or vllm")
-    eval_methods = ("target", "speculative", "pld", "hybrid", "hf", "hf_assisted")
     if not 0 <= cfg.eval.draft_confidence < 1:
         problems.append("eval.draft_confidence must be in [0, 1): the drafter probability below which a draft stops")
     if "router" in cfg.eval.methods:
         problems.append("eval.methods: the router is not a method; set eval.router_langs=[de-en,fr-en] to run it")
-    elif unknown := [m for m in cfg.eval.methods if m not in eval_methods]:
-        problems.append(f"eval.methods: unknown {', '.join(unknown)}; valid: {', '.join(eval_methods)}")
+    elif unknown := [m for m in cfg.eval.methods if m not in EVAL_METHODS]:
+        problems.append(f"eval.methods: unknown {', '.join(unknown)}; valid: {', '.join(EVAL_METHODS)}")
     for key in ("matrix_langs", "router_langs"):
         if unknown := [p for p in cfg.eval[key] if p not in options("lang")]:
             problems.append(f"eval.{key}: unknown {', '.join(unknown)}; valid: {', '.join(options('lang'))}")

@@ -33,7 +33,7 @@ import transformers
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import report
-from pipeline.config import CONF_DIR, ConfigError, LangConfig
+from pipeline.config import CONF_DIR, EVAL_METHODS, ConfigError, LangConfig
 from pipeline.data.sources import load_sources
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
@@ -55,7 +55,7 @@ from pipeline.speculative.metrics import mean_std, measure, method_stats, speedu
 from pipeline.speculative.router import LanguageRouter
 from pipeline.speculative.sampler import Sampling
 
-METHODS = ("target", "speculative", "pld", "hybrid", "hf", "hf_assisted", "router")
+METHODS = (*EVAL_METHODS, "router")
 MODEL_DRAFTED = ("speculative", "hybrid", "router")  # the methods that pay drafter steps
 EXACT_AT_T0 = ("speculative", "pld", "hybrid", "router")  # our loop: greedy output must be the target's
 MIXED = "mixed"  # the router's prompt set: held-out prompts of every eval.router_langs pair
