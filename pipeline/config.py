@@ -101,6 +101,8 @@ class DrafterConfig:
     tie_word_embeddings: bool = True
     # Predict only the N most frequent target token ids of the training data (None: full vocab).
     reduced_vocab: Optional[int] = None
+    # source=init: embedding rows start from the target's own, projected to hidden_size (principal directions)
+    embeddings_from_target: bool = False
 
 
 @dataclass
@@ -359,6 +361,8 @@ def validate(cfg: DictConfig) -> None:
         problems.append(f"drafter.hidden_size {d.hidden_size} is not divisible by drafter.num_heads {d.num_heads}")
     if d.num_kv_heads is not None and d.num_heads % d.num_kv_heads:
         problems.append(f"drafter.num_heads {d.num_heads} is not divisible by drafter.num_kv_heads {d.num_kv_heads}")
+    if d.embeddings_from_target and d.source != ModelSource.init:
+        problems.append(f"drafter.embeddings_from_target starts new weights: it needs drafter.source=init, not {d.source.value}")
     if d.source in (ModelSource.hub, ModelSource.local) and not d.path:
         problems.append(f"drafter.source={d.source.value} needs drafter.path")
     if cfg.target.source == ModelSource.init:

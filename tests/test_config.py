@@ -59,6 +59,7 @@ def test_paper_recipes_carry_the_paper_settings():
         (["train.finetune.lr=fast"], "train.finetune.lr: Value 'fast' of type 'str' could not be converted to Float"),
         (["train.finetune.mode=both"], "expected one of [pretrain_finetune, finetune_only]"),
         (["drafter.num_heads=3"], "not divisible by drafter.num_heads 3"),
+        (["drafter.source=hub", "drafter.path=JackFram/llama-68m", "drafter.embeddings_from_target=true"], "needs drafter.source=init, not hub"),
         (["eval.num_draft_tokens=0"], "must be >= 1"),
         (["train.pretrain.launch=nope"], "launch 'nope' unknown; valid: ddp"),
         (["eval.methods=[target,router]"], "the router is not a method; set eval.router_langs"),

@@ -32,14 +32,21 @@ def reduced_vocab(drafter: DictConfig, counts: torch.Tensor, tokenizer) -> Vocab
     return VocabMap.most_frequent(counts, drafter.reduced_vocab, always=tokenizer.all_special_ids)
 
 
-def specialize_vocab(model: PreTrainedModel, vocab: VocabMap, counts: torch.Tensor, tokenizer) -> VocabMap:
+def specialize_vocab(model: PreTrainedModel, vocab: VocabMap, counts: torch.Tensor, tokenizer,
+                     target_path: str | None = None) -> VocabMap:
     """A pretrained reduced-vocab drafter adapted to its finetuning data: its rows for ids that data never
     uses are re-pointed at the data's frequent unmapped ids (``VocabMap.specialize``) and restart from the
-    mean embedding. Pretraining counts English; a language pair's prompts and answers need other tokens."""
+    mean embedding, or, given ``target_path`` (drafter.embeddings_from_target), the input rows from the
+    target's rows of their new ids. Pretraining counts English; a language pair's prompts and answers need
+    other tokens."""
     specialized, rows = vocab.specialize(counts, always=tokenizer.all_special_ids)
     with torch.no_grad():
+        std = float(model.get_input_embeddings().weight[: vocab.unk_id].std())  # the trained rows' scale
         for weight in {model.get_input_embeddings().weight, model.get_output_embeddings().weight}:  # one if tied
             weight[rows] = weight[: vocab.unk_id].mean(0)
+        if target_path is not None:
+            model.get_input_embeddings().weight[rows] = target_embedding_rows(
+                target_path, model.config.hidden_size, specialized.target_ids[rows], std)
     return specialized
 
 
@@ -66,7 +73,26 @@ def init_drafter(drafter: DictConfig, target_path: str, vocab: VocabMap | None, 
         **special,
     )
     torch.manual_seed(seed)  # every rank builds the same weights
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if drafter.embeddings_from_target:
+        ids = vocab.target_ids if vocab is not None else torch.arange(target_config.vocab_size)
+        with torch.no_grad():
+            model.get_input_embeddings().weight[: len(ids)] = target_embedding_rows(
+                target_path, drafter.hidden_size, ids, config.initializer_range)
+    return model
+
+
+def target_embedding_rows(target_path: str, hidden_size: int, target_ids: torch.Tensor, std: float) -> torch.Tensor:
+    """What the target learned about each token, at the drafter's width: the target's embedding rows of
+    ``target_ids`` projected on the ``hidden_size`` largest principal directions of its whole embedding
+    matrix, scaled so that the whole projected matrix has standard deviation ``std``. The projection
+    depends on the target alone, so pretraining and the finetune's re-pointed rows share it."""
+    weight = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).get_input_embeddings().weight.detach()
+    if hidden_size > weight.shape[1]:
+        raise ConfigError(f"drafter.embeddings_from_target needs drafter.hidden_size <= the target's {weight.shape[1]}")
+    centered = weight - weight.mean(0)
+    basis = torch.linalg.eigh(centered.T @ centered).eigenvectors[:, -hidden_size:]  # eigh sorts ascending
+    return centered[target_ids] @ basis * (std / float((centered @ basis).std()))
 
 
 def _to_drafter_ids(ids, vocab: VocabMap):

@@ -53,7 +53,8 @@ def train(cfg: DictConfig, directory: StageDir, log: MetricsLog) -> dict:
         counts = token_counts(examples, AutoConfig.from_pretrained(target_path).vocab_size)
         model, vocab = build_drafter(cfg.drafter, target_path, reduced_vocab(cfg.drafter, counts, tokenizer), cfg.seed)
     elif vocab is not None and tc.specialize_vocab:
-        vocab = specialize_vocab(model, vocab, token_counts(examples, vocab.target_vocab_size), tokenizer)
+        vocab = specialize_vocab(model, vocab, token_counts(examples, vocab.target_vocab_size), tokenizer,
+                                 target_path if cfg.drafter.embeddings_from_target else None)
 
     counts = loop.train_drafter(tc, model, vocab, examples, tokenizer, target_path, directory.path, log, cfg.seed)
     if strings is not None:
