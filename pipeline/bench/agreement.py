@@ -1,0 +1,68 @@
+"""How well each finetuned de-en drafter of the ``local`` recipe predicts the target, token by token.
+
+The target decodes the held-out prompts greedily (the eval stage's prompts and stop condition); each
+drafter then reads those sequences in one teacher-forced pass. Per answer token: whether the drafter's
+top token is the target's (the T=0 acceptance of a draft at that position) and Σ min(p, q) over the
+vocabulary (its T=1 acceptance). No timing, so the figures do not depend on machine load, and paired
+per-token differences against the recipe's own drafter separate small improvements from noise.
+Drafters: every ``runs/<target>/<drafter>/de-en/finetune/drafter`` folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from pipeline.config import compose_config
+from pipeline.models.drafter import load_drafter
+from pipeline.models.provision import load_model, load_tokenizer, model_path
+from pipeline.speculative.engine import CachedModel, StopCondition, generate
+from pipeline.stages.eval import eos_ids, heldout_prompts
+
+PAIR = "de-en"
+
+
+@torch.inference_mode()
+def per_token(model, vocab, sequences: list[tuple[torch.Tensor, int]], target_probs: list[torch.Tensor]):
+    """(top-1 match, Σ min(p, q)) of every answer token, concatenated over the sequences."""
+    matches, overlaps = [], []
+    for (sequence, prompt_len), p in zip(sequences, target_probs):
+        logits = model(input_ids=vocab.encode(sequence) if vocab is not None else sequence).logits[0].float()
+        logits = (vocab.expand_logits(logits) if vocab is not None else logits)[prompt_len - 1 : -1]
+        matches.append((logits.argmax(-1) == sequence[0, prompt_len:]).float())
+        overlaps.append(torch.minimum(torch.softmax(logits, -1), p).sum(-1))
+    return torch.cat(matches), torch.cat(overlaps)
+
+
+def main(out_dir: Path) -> dict:
+    cfg = compose_config(["recipe=local", f"lang={PAIR}", "eval.num_prompts=1000"])  # every held-out prompt
+    target_path = model_path(cfg.target, cfg.paths.models_dir)
+    tokenizer, target = load_tokenizer(target_path), load_model(target_path)
+    stop = StopCondition(tokenizer, cfg.target.stop, eos_ids(tokenizer, target))
+    sequences, target_probs = [], []
+    with torch.inference_mode():
+        for _, prompt in heldout_prompts(cfg, PAIR, tokenizer):
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            answer = generate(CachedModel(target), ids, cfg.eval.max_new_tokens, stop).tokens
+            sequence = torch.cat([ids, torch.tensor([answer])], dim=1)
+            sequences.append((sequence, ids.shape[1]))
+            target_probs.append(torch.softmax(target(input_ids=sequence).logits[0, ids.shape[1] - 1 : -1].float(), -1))
+
+    folders = sorted(Path(cfg.paths.runs_dir).glob(f"{cfg.target.name}/*/{PAIR}/finetune/drafter"))
+    scores = {folder.parents[2].name: per_token(*load_drafter(str(folder), target_path), sequences, target_probs)
+              for folder in folders}
+    drafters = {}
+    for name, (matches, overlaps) in scores.items():
+        drafters[name] = {"top1_agreement": round(float(matches.mean()), 4), "t1_acceptance": round(float(overlaps.mean()), 4)}
+        if name != cfg.drafter.name and cfg.drafter.name in scores:  # paired against the recipe's drafter
+            for key, ours, theirs in (("top1_agreement", matches, scores[cfg.drafter.name][0]),
+                                      ("t1_acceptance", overlaps, scores[cfg.drafter.name][1])):
+                diff = ours - theirs
+                drafters[name][f"{key}_minus_{cfg.drafter.name}"] = {
+                    "mean": round(float(diff.mean()), 4), "standard_error": round(float(diff.std() / len(diff) ** 0.5), 4)}
+    result = {"pair": PAIR, "prompts": len(sequences), "answer_tokens": sum(len(s[0][0]) - s[1] for s in sequences),
+              "drafters": drafters}
+    (out_dir / "agreement.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
