@@ -205,6 +205,18 @@ def test_record_carries_the_targets_top_k_aligned_with_its_labels(smollm_path):
     assert torch.isinf(batch["teacher_logprobs"][off_map]).all() and not off_map.all()
 
 
+@pytest.mark.slow
+def test_token_strings_read_alike_decoding_ids_as_the_one_the_model_writes(gemma_path):
+    """Gemma's byte piece <0x2E> decodes to "." as its real "." token does: the API's "." is the real one.
+    (Mapped to the byte piece, which no reduced vocabulary keeps, KD taught the drafter never to write ".".)"""
+    tokenizer = load_tokenizer(gemma_path)
+    strings = TokenStrings(tokenizer)
+    byte_piece = tokenizer.convert_tokens_to_ids("<0x2E>")
+    assert tokenizer.decode([byte_piece]) == "." and strings.ids["."] != byte_piece
+    ids = tokenizer.encode("Version 3.10, (2024): 'ok'? Ja, sicher! Größe", add_special_tokens=False)
+    assert [strings.ids[tokenizer.decode([i])] for i in ids] == ids
+
+
 def test_checkpoint_of_another_process_count_resumes_unless_deepspeed_wrote_or_reads_it(tmp_path):
     tc = train_config(max_steps=2, save_every=1)
     run(tc, counting_examples(n=8), tmp_path)

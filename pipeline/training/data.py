@@ -137,9 +137,15 @@ class TokenStrings:
 
     def __init__(self, tokenizer):
         self.texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-        self.ids: dict[str, int] = {}
+        alike: dict[str, list[int]] = {}
         for i, text in enumerate(self.texts):
-            self.ids.setdefault(text, i)  # a few ids decode alike (byte pieces): the first one stands for them
+            alike.setdefault(text, []).append(i)
+        # Some ids decode alike: Gemma's byte-fallback <0x2E> and its real "." token. The model writes the id
+        # its tokenizer makes of the text, never the byte piece, so that id stands for the string.
+        self.ids: dict[str, int] = {}
+        for text, ids in alike.items():
+            encoded = tokenizer.encode(text, add_special_tokens=False) if len(ids) > 1 else ids
+            self.ids[text] = encoded[0] if len(encoded) == 1 and encoded[0] in ids else ids[0]
 
     def teacher(self, completion_ids: list[int], top_logprobs: list[dict]) -> tuple[np.ndarray, np.ndarray]:
         """The target's top-k (ids, logprobs) per completion token; id -1 where unknown.
