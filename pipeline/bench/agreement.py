@@ -22,6 +22,7 @@ from pipeline.speculative.engine import CachedModel, StopCondition, generate
 from pipeline.stages.eval import eos_ids, heldout_prompts
 
 PAIR = "de-en"
+METRICS = ("top1_agreement", "t1_acceptance")  # what per_token returns, in its order
 
 
 @torch.inference_mode()
@@ -53,16 +54,16 @@ def main(out_dir: Path) -> dict:
     folders = sorted(Path(cfg.paths.runs_dir).glob(f"{cfg.target.name}/*/{PAIR}/finetune/drafter"))
     scores = {folder.parents[2].name: per_token(*load_drafter(str(folder), target_path), sequences, target_probs)
               for folder in folders}
+    reference = scores.get(cfg.drafter.name)  # the recipe's drafter: the others are paired against it
     drafters = {}
-    for name, (matches, overlaps) in scores.items():
-        drafters[name] = {"top1_agreement": round(float(matches.mean()), 4), "t1_acceptance": round(float(overlaps.mean()), 4)}
-        if name != cfg.drafter.name and cfg.drafter.name in scores:  # paired against the recipe's drafter
-            for key, ours, theirs in (("top1_agreement", matches, scores[cfg.drafter.name][0]),
-                                      ("t1_acceptance", overlaps, scores[cfg.drafter.name][1])):
+    for name, per_token_scores in scores.items():
+        drafters[name] = {metric: round(float(values.mean()), 4) for metric, values in zip(METRICS, per_token_scores)}
+        if name != cfg.drafter.name and reference is not None:
+            for metric, ours, theirs in zip(METRICS, per_token_scores, reference):
                 diff = ours - theirs
-                drafters[name][f"{key}_minus_{cfg.drafter.name}"] = {
+                drafters[name][f"{metric}_minus_{cfg.drafter.name}"] = {
                     "mean": round(float(diff.mean()), 4), "standard_error": round(float(diff.std() / len(diff) ** 0.5), 4)}
-    result = {"pair": PAIR, "prompts": len(sequences), "answer_tokens": sum(len(s[0][0]) - s[1] for s in sequences),
-              "drafters": drafters}
+    answer_tokens = sum(sequence.shape[1] - prompt_len for sequence, prompt_len in sequences)
+    result = {"pair": PAIR, "prompts": len(sequences), "answer_tokens": answer_tokens, "drafters": drafters}
     (out_dir / "agreement.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
