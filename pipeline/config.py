@@ -197,7 +197,8 @@ class TrainConfig:
     save_every: int = 200
     resume: str = "auto"  # auto: continue from the stage's latest checkpoint | never
     launch: str = "single"  # recipes/launch/<launch>.yaml
-    num_processes: int = 1
+    # processes over all nodes, or auto: every local GPU (times SLURM_NNODES in a multi-node job), 1 without one
+    num_processes: Any = 1
 
 
 @dataclass
@@ -242,6 +243,10 @@ class EvalConfig:
     # of its detected source language, against the one eval drafter for all
     router_langs: list[str] = field(default_factory=list)
     engine: str = "transformers"  # transformers | vllm
+    device: str = "auto"  # auto (CUDA when visible, else CPU) | cpu | cuda | cuda:N: target, drafters, every tensor
+    # Greedy gate in bf16/fp16: a divergence from the target-only tokens is a numerical tie when the target's
+    # top-2 logit gap at the first diverging token is below this (float32 targets: exact, no tolerance)
+    tie_tolerance: float = 0.5
 
 
 @dataclass
@@ -387,7 +392,9 @@ def validate(cfg: DictConfig) -> None:
         tc = cfg.train[name]
         if not 0 <= tc.warmup_ratio < 1:
             problems.append(f"train.{name}.warmup_ratio must be in [0, 1)")
-        if tc.batch_size % (tc.grad_accum * tc.num_processes):
+        if tc.num_processes != "auto" and (not isinstance(tc.num_processes, int) or tc.num_processes < 1):
+            problems.append(f"train.{name}.num_processes must be a positive integer or auto, not {tc.num_processes}")
+        elif tc.num_processes != "auto" and tc.batch_size % (tc.grad_accum * tc.num_processes):
             problems.append(f"train.{name}.batch_size {tc.batch_size} (global) must be divisible by "
                             f"grad_accum x num_processes = {tc.grad_accum * tc.num_processes}")
         if tc.resume not in ("auto", "never"):
@@ -397,6 +404,10 @@ def validate(cfg: DictConfig) -> None:
         if not (RECIPES_DIR / "launch" / f"{tc.launch}.yaml").exists():
             launches = sorted(p.stem for p in (RECIPES_DIR / "launch").glob("*.yaml"))
             problems.append(f"train.{name}.launch '{tc.launch}' unknown; valid: {', '.join(launches)}")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.eval.device):
+        problems.append(f"eval.device={cfg.eval.device} is not a device; use auto, cpu, cuda or cuda:N")
+    if cfg.eval.tie_tolerance < 0:
+        problems.append("eval.tie_tolerance must be >= 0 (a top-2 logit gap)")
     if cfg.eval.engine not in ("transformers", "vllm"):
         problems.append("eval.engine must be transformers or vllm")
     if not 0 <= cfg.eval.draft_confidence < 1:

@@ -16,6 +16,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from pipeline.evaluation import greedy_gate_line  # noqa: E402
+
 METHOD_NAMES = {"target": "target only", "speculative": "speculative (ours)", "pld": "prompt lookup (PLD)",
                 "hybrid": "lookup, else drafter (ours)", "hf": "HF generate", "hf_assisted": "HF assisted", "router": "language router"}
 
@@ -94,9 +96,12 @@ def stage_report(metrics: dict) -> str:
                       + "; ".join(f"{pair} prompts → " + ", ".join(f"{lang} ×{n}" for lang, n in picked.items())
                                   for pair, picked in router["routed"].items())
                       + f"; {router['accuracy']:.0%} sent to their own pair's drafter."]
-    lossless = metrics["lossless"]
-    lines += ["", f"Greedy outputs checked token by token against the target's: {lossless['greedy_prompts_checked']} "
-                  f"prompts, {len(lossless['mismatches'])} mismatches.", ""]
+    if len(sessions := metrics.get("sessions", [])) > 1:
+        lines += ["", f"Resumed: measured in {len(sessions)} sessions ("
+                      + ", ".join(f"{s['prompts_measured']} prompt rows on {s['host']} {s['device']} from {s['started_at']}"
+                                  for s in sessions)
+                      + "); timings of different sessions may reflect different machine states."]
+    lines += ["", greedy_gate_line(metrics["lossless"]), ""]
     return "\n".join(lines)
 
 

@@ -24,7 +24,8 @@ from pipeline.models.provision import load_tokenizer
 from pipeline.prompts import build_prompt
 from pipeline.rundir import stage_dir
 from pipeline.serving.server import INFO_FILE, ServingError
-from pipeline.stages.distill import AppendOnlyJsonl, load_records, read_jsonl, request_seed
+from pipeline.jsonl import AppendOnlyJsonl, read_jsonl
+from pipeline.stages.distill import load_records, request_seed
 
 CACHE = REPO_ROOT / "runs" / "cache"
 FIELDS = {"id", "temperature", "sample", "prompt", "response", "finish_reason", "stop_reason", "prompt_tokens",

@@ -29,7 +29,10 @@ def test_eval_stage_writes_metrics_report_and_passes_greedy_gate(ci_drafter, run
     assert (out / "COMPLETE").exists()
     metrics = json.loads((out / "metrics.json").read_text())
     cfg = compose_config(args[1:])
-    assert metrics["lossless"] == {"greedy_prompts_checked": cfg.eval.num_prompts, "mismatches": []}
+    assert metrics["lossless"] == {"greedy_prompts_checked": cfg.eval.num_prompts, "tie_tolerance": 0.0,  # float32
+                                   "outputs_checked": cfg.eval.num_prompts * 4, "exact": cfg.eval.num_prompts * 4,
+                                   "ties": [], "mismatches": []}
+    assert metrics["sessions"][0]["prompts_measured"] == cfg.eval.num_prompts * 2 and len(metrics["sessions"]) == 1
     greedy, sampled = metrics["results"]["de-en"]["T=0.0"], metrics["results"]["de-en"]["T=1.0"]
     spec = greedy["seeds"]["0"]["speculative"]
     assert 0 <= spec["alpha"] <= 1 and 1 <= spec["tau"] <= cfg.eval.num_draft_tokens + 1
@@ -163,3 +166,67 @@ def test_greedy_mismatch_fails_the_stage_in_one_line_after_writing_its_outputs(c
     assert error.startswith("error: 2 greedy outputs differ from the target's own") and error.count("\n") == 1
     out = next(runs_dir.glob("**/eval"))
     assert (out / "samples.jsonl").exists() and not (out / "COMPLETE").exists()
+
+
+def wait_for_rows(path, count: int, process, timeout_s: float = 600) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not (path.exists() and path.read_text().count("\n") >= count):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "no eval rows in time"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_eval_resumes_after_sigterm_and_kill_measuring_only_the_missing_prompts(ci_drafter, runs_dir):
+    """SIGTERM (Slurm's warning) ends the stage with exit 75 after the prompt in hand; a kill -9 loses at most
+    that prompt; each rerun measures only the prompts without a row, and metrics.json counts every prompt once."""
+    import signal
+    import subprocess
+    import sys
+
+    from pipeline.config import REPO_ROOT
+
+    args = ["eval", "recipe=ci", f"paths.runs_dir={runs_dir}", f"eval.drafter_path={ci_drafter}", "eval.num_prompts=2",
+            "eval.methods=[target,speculative]", "eval.k_sweep=[4]"]
+    cfg = compose_config(args[1:])
+    rows_total = cfg.eval.num_prompts * 2  # T=0 and T=1 (one seed): SIGTERM leaves 1 row, the kill 2, the rerun 4
+
+    def start():
+        return subprocess.Popen([sys.executable, "-m", "pipeline", *args], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    first = start()
+    out = runs_dir / "smollm2-135m" / "tiny-ci" / "de-en" / "eval"
+    wait_for_rows(out / "samples.jsonl", 1, first)
+    first.send_signal(signal.SIGTERM)
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 75, err
+    assert "run the same command again to measure the rest" in err
+    kept = (out / "samples.jsonl").read_text().splitlines()
+    assert 1 <= len(kept) < rows_total and not (out / "COMPLETE").exists()
+
+    second = start()
+    wait_for_rows(out / "samples.jsonl", len(kept) + 1, second)
+    second.kill()  # kill -9
+    second.communicate()
+    killed = (out / "samples.jsonl").read_text().splitlines()
+    assert killed[: len(kept)] == kept and len(killed) < rows_total
+
+    third = start()
+    stdout, err = third.communicate(timeout=900)
+    assert third.returncode == 0, err
+    assert "eval: resuming:" in stdout
+    rows = [json.loads(line) for line in (out / "samples.jsonl").open()]
+    assert [json.dumps(r) for r in rows[: len(killed)]] == [json.dumps(json.loads(line)) for line in killed]
+    assert len(rows) == rows_total and len({(r["lang"], r["temperature"], r["seed"], r["id"]) for r in rows}) == rows_total
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert [s["prompts_measured"] for s in metrics["sessions"]] == [
+        len(kept), len(killed) - len(kept), rows_total - len(killed)]
+    for by_t in metrics["results"]["de-en"].values():
+        for stats in by_t["seeds"].values():
+            assert {name: s["prompts"] for name, s in stats.items()} == {m: cfg.eval.num_prompts for m in stats}
+    assert metrics["lossless"]["greedy_prompts_checked"] == cfg.eval.num_prompts
+    assert "Resumed: measured in 3 sessions" in (out / "report.md").read_text()
+    assert (out / "COMPLETE").exists()

@@ -74,8 +74,11 @@ def test_counters_from_prometheus_text():
     assert parse_counters("")["drafts"] == 0.0  # the target-only server has none
 
 
-def test_greedy_mismatch_fails_after_writing_outputs(smollm_path, runs_dir, monkeypatch, capsys):
-    """run() on canned server answers: the speculative server's second prompt differs from the target's."""
+@pytest.mark.parametrize("top2_gap", [2.5, 0.125])
+def test_greedy_divergence_fails_with_a_clear_margin_and_is_a_tie_without(smollm_path, runs_dir, monkeypatch, capsys,
+                                                                            top2_gap):
+    """run() on canned server answers: the speculative server's second prompt differs from the target's at its
+    third token, where the served target (dtype auto: half precision) puts its top two tokens ``top2_gap`` apart."""
     class Server:
         def __enter__(self):
             return self
@@ -93,14 +96,31 @@ def test_greedy_mismatch_fails_after_writing_outputs(smollm_path, runs_dir, monk
         return {blocks[0]: {"generations": generations, "requests": 2, "counters": counters}}
 
     monkeypatch.setattr(vllm_engine, "serve", lambda *a: Server())
-    monkeypatch.setattr(vllm_engine, "request", lambda *a: {"version": "0.0-test"})
+    asked = []
+
+    def request(server, path, body=None):
+        if path == "/version":
+            return {"version": "0.0-test"}
+        asked.append(body["prompt"])
+        return {"choices": [{"logprobs": {"top_logprobs": [{"token_id:3": -0.5, "token_id:4": -0.5 - top2_gap}]}}]}
+
+    monkeypatch.setattr(vllm_engine, "request", request)
     monkeypatch.setattr(vllm_engine, "decode_all", decode_all)
-    assert cli.main(args(runs_dir, smollm_path, "eval.temperatures=[0]", "eval.num_prompts=2")) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: 1 greedy outputs of vLLM's speculative server differ") and err.count("\n") == 1
+    clear_margin = top2_gap > 0.5  # the default eval.tie_tolerance
+    assert cli.main(args(runs_dir, smollm_path, "eval.temperatures=[0]", "eval.num_prompts=2")) == (2 if clear_margin else 0)
     out = next(runs_dir.glob("**/eval"))
     metrics = json.loads((out / "metrics.json").read_text())
-    assert [m["method"] for m in metrics["lossless"]["mismatches"]] == ["vllm_speculative"]
+    assert len(asked) == 1 and asked[0][-2:] == [1, 2]  # the gap after the prompt and the tokens before the divergence
+    divergence = [{"lang": "de-en", "id": metrics["lossless"]["mismatches" if clear_margin else "ties"][0]["id"],
+                   "method": "vllm_speculative", "position": 2, "top2_gap": top2_gap}]
+    assert metrics["lossless"] | {} == {"greedy_prompts_checked": 2, "outputs_checked": 2, "exact": 1, "tie_tolerance": 0.5,
+                                        "ties": [] if clear_margin else divergence,
+                                        "mismatches": divergence if clear_margin else []}
+    if not clear_margin:
+        assert (out / "COMPLETE").exists() and "1 numerical ties" in (out / "report.md").read_text()
+        return
+    err = capsys.readouterr().err
+    assert err.startswith("error: 1 greedy outputs of vLLM's speculative server differ") and err.count("\n") == 1
     spec = metrics["results"]["de-en"]["T=0.0"]["seeds"]["0"]["vllm_speculative"]
     assert (spec["alpha"], spec["tau"], spec["speedup"]) == (0.5, 3.0, 1.0)
     assert len((out / "samples.jsonl").read_text().splitlines()) == 2 and (out / "report.md").exists()
@@ -126,7 +146,8 @@ def test_target_as_its_own_drafter_accepts_everything_and_is_lossless(self_draft
     metrics = json.loads((out / "metrics.json").read_text())
     assert code == 0 and (out / "COMPLETE").exists(), metrics["lossless"]
     assert metrics["engine"] == "vllm" and metrics["K"] == K and metrics["environment"]["vllm"]
-    assert metrics["lossless"] == {"greedy_prompts_checked": PROMPTS, "mismatches": []}
+    assert metrics["lossless"] == {"greedy_prompts_checked": PROMPTS, "outputs_checked": PROMPTS, "exact": PROMPTS,
+                                   "tie_tolerance": 0.0, "ties": [], "mismatches": []}  # float32: exact
     stats = metrics["results"]["de-en"]["T=0.0"]["seeds"]["0"]
     base, spec = stats["vllm_target"], stats["vllm_speculative"]
     print(json.dumps({m: {k: v for k, v in s.items() if k != "counters"} for m, s in stats.items()}, indent=1))

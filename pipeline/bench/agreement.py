@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 
 from pipeline.config import compose_config
+from pipeline.device import resolve_device
+from pipeline.evaluation import eos_ids, heldout_prompts
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.speculative.engine import CachedModel, StopCondition, generate
-from pipeline.stages.eval import eos_ids, heldout_prompts
 
 PAIR = "de-en"
 METRICS = ("top1_agreement", "t1_acceptance")  # what per_token returns, in its order
@@ -40,19 +41,20 @@ def per_token(model, vocab, sequences: list[tuple[torch.Tensor, int]], target_pr
 def main(out_dir: Path) -> dict:
     cfg = compose_config(["recipe=local", f"lang={PAIR}", "eval.num_prompts=1000"])  # every held-out prompt
     target_path = model_path(cfg.target, cfg.paths.models_dir)
-    tokenizer, target = load_tokenizer(target_path), load_model(target_path)
+    device = resolve_device(cfg.eval.device)
+    tokenizer, target = load_tokenizer(target_path), load_model(target_path, device=device)
     stop = StopCondition(tokenizer, cfg.target.stop, eos_ids(tokenizer, target))
     sequences, target_probs = [], []
     with torch.inference_mode():
         for _, prompt in heldout_prompts(cfg, PAIR, tokenizer):
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
             answer = generate(CachedModel(target), ids, cfg.eval.max_new_tokens, stop).tokens
-            sequence = torch.cat([ids, torch.tensor([answer])], dim=1)
+            sequence = torch.cat([ids, torch.tensor([answer], device=device)], dim=1)
             sequences.append((sequence, ids.shape[1]))
             target_probs.append(torch.softmax(target(input_ids=sequence).logits[0, ids.shape[1] - 1 : -1].float(), -1))
 
     folders = sorted(Path(cfg.paths.runs_dir).glob(f"{cfg.target.name}/*/{PAIR}/finetune/drafter"))
-    scores = {folder.parents[2].name: per_token(*load_drafter(str(folder), target_path), sequences, target_probs)
+    scores = {folder.parents[2].name: per_token(*load_drafter(str(folder), target_path, device=device), sequences, target_probs)
               for folder in folders}
     reference = scores.get(cfg.drafter.name)  # the recipe's drafter: the others are paired against it
     drafters = {}

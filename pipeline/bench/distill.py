@@ -17,6 +17,7 @@ import torch
 
 from pipeline.config import compose_config
 from pipeline.data.sources import load_sources
+from pipeline.device import clock, resolve_device
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.prompts import build_prompt
 from pipeline.rundir import stage_dir
@@ -52,19 +53,20 @@ def transformers_generate(cfg, prompts: list[str]) -> dict:
     folder = model_path(cfg.target, cfg.paths.models_dir)
     tokenizer = load_tokenizer(folder)
     tokenizer.padding_side = "left"
-    model = load_model(folder, cfg.target.dtype)
+    device = resolve_device(cfg.eval.device)
+    model = load_model(folder, cfg.target.dtype, device)
     stop = list(cfg.target.stop)
     tokens = 0
-    started = time.monotonic()
+    started = clock(device)
     ordered = sorted(prompts, key=len)
     for i in range(0, len(ordered), HF_BATCH_SIZE):
-        batch = tokenizer(ordered[i: i + HF_BATCH_SIZE], return_tensors="pt", padding=True)
+        batch = tokenizer(ordered[i: i + HF_BATCH_SIZE], return_tensors="pt", padding=True).to(device)
         with torch.inference_mode():
             out = model.generate(**batch, max_new_tokens=MAX_TOKENS, do_sample=False, stop_strings=stop,
                                  tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id)
         new = out[:, batch["input_ids"].shape[1]:].tolist()
         tokens += sum(generated_length(row, tokenizer, stop) for row in new)
-    elapsed = time.monotonic() - started
+    elapsed = clock(device) - started
     return {"tokens": tokens, "generation_s": round(elapsed, 1), "tokens_per_s": round(tokens / elapsed, 1),
             "dtype": cfg.target.dtype, "batch_size": HF_BATCH_SIZE}
 

@@ -27,6 +27,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.config import compose_config
+from pipeline.device import resolve_device
+from pipeline.evaluation import environment, eos_ids
 from pipeline.data.sharegpt import iter_texts
 from pipeline.data.sources import load_sources
 from pipeline.models.drafter import load_drafter
@@ -44,7 +46,6 @@ from pipeline.speculative.engine import (
 )
 from pipeline.speculative.metrics import alpha_from_tau, measure, method_stats, speedup, timed
 from pipeline.speculative.sampler import Sampling
-from pipeline.stages.eval import environment, eos_ids
 
 K = 4
 NUM_PROMPTS = 4
@@ -76,7 +77,7 @@ def layer_skip_drafter(target, keep: tuple[int, ...], vocab_map: VocabMap | None
         state[name] = tensor
     drafter.load_state_dict(state, strict=False)
     drafter.tie_weights()
-    return drafter
+    return drafter.to(target.device)
 
 
 def full_vocabulary_copy(drafter, vocab_map: VocabMap):
@@ -92,7 +93,7 @@ def full_vocabulary_copy(drafter, vocab_map: VocabMap):
     head[vocab_map.target_ids] = state["lm_head.weight"][: vocab_map.unk_id]
     state["lm_head.weight"] = head
     full.load_state_dict(state)
-    return full
+    return full.to(drafter.device)
 
 
 def token_counts(tokenizer, vocab_size: int, prompts: list[str], documents: int = 3000) -> torch.Tensor:
@@ -124,27 +125,28 @@ def run_methods(methods: dict, prompts: list[torch.Tensor]) -> dict:
 def main(out_dir: Path) -> dict:
     torch.manual_seed(0)
     cfg = compose_config(["recipe=local"])
+    device = resolve_device(cfg.eval.device)
     target_path = model_path(cfg.target, cfg.paths.models_dir)
     tokenizer = load_tokenizer(target_path)
-    target_model = load_model(target_path)
+    target_model = load_model(target_path, device=device)
     target = CachedModel(target_model)
     stop = StopCondition(tokenizer, cfg.target.stop, eos_ids(tokenizer, target_model))
     train, heldout = load_sources(cfg)
     heldout = heldout[:NUM_PROMPTS]
-    prompts = [tokenizer(build_prompt(cfg.target, cfg.lang, ex.src, tokenizer), return_tensors="pt").input_ids
+    prompts = [tokenizer(build_prompt(cfg.target, cfg.lang, ex.src, tokenizer), return_tensors="pt").input_ids.to(device)
                for ex in heldout]
     greedy = Sampling(0.0)
 
     train_prompts = [build_prompt(cfg.target, cfg.lang, ex.src, tokenizer) for ex in train]
     counts = token_counts(tokenizer, target_model.config.vocab_size, train_prompts)
-    vocab_map = VocabMap.most_frequent(counts, REDUCED_VOCAB, always=tokenizer.all_special_ids)
+    vocab_map = VocabMap.most_frequent(counts, REDUCED_VOCAB, always=tokenizer.all_special_ids).to(device)
     keep = tuple(i for i in range(target_model.config.num_hidden_layers) if i not in SKIPPED_LAYERS)
     layer_skip = layer_skip_drafter(target_model, keep)
     drafters = {"speculative": (layer_skip, None),
                 "speculative_reduced_head": (layer_skip_drafter(target_model, tuple(range(target_model.config.num_hidden_layers)), vocab_map),
                                              vocab_map)}
     if FINETUNED.is_dir():
-        finetuned, finetuned_map = load_drafter(str(FINETUNED), target_path)
+        finetuned, finetuned_map = load_drafter(str(FINETUNED), target_path, device=device)
         drafters["speculative_finetuned"] = (finetuned, finetuned_map)
         drafters["speculative_finetuned_full_vocab"] = (full_vocabulary_copy(finetuned, finetuned_map), None)
 
@@ -154,10 +156,10 @@ def main(out_dir: Path) -> dict:
 
     def hf_assisted(assistant):
         return lambda ids: timed(lambda: hf_generate(target_model, ids, MAX_NEW_TOKENS, stop, greedy, 0,
-                                                     assistant=assistant, k=K))
+                                                     assistant=assistant, k=K), device)
 
     methods = {"target": lambda ids: generate(target, ids, MAX_NEW_TOKENS, stop, greedy),
-               "hf": lambda ids: timed(lambda: hf_generate(target_model, ids, MAX_NEW_TOKENS, stop, greedy, 0))}
+               "hf": lambda ids: timed(lambda: hf_generate(target_model, ids, MAX_NEW_TOKENS, stop, greedy, 0), device)}
     methods |= {name: ours(model, vmap) for name, (model, vmap) in drafters.items()}
     # HF runs every full-vocabulary drafter too: each of our rows beside HF's with the same models and K.
     methods |= {hf_name(name): hf_assisted(model) for name, (model, vmap) in drafters.items() if vmap is None}
@@ -205,7 +207,7 @@ def main(out_dir: Path) -> dict:
             "temperature": 0.0,
             "timing": f"1 warm-up, median of {REPETITIONS} repetitions per prompt, methods interleaved per prompt",
             "speedup": "target-only seconds per token / method seconds per token (same loop and forward path)",
-            "environment": environment(),
+            "environment": environment(device),
         },
         "methods": stats,
     }

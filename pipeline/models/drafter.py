@@ -126,10 +126,12 @@ def check_drafter(drafter_path: str, target_path: str, name: str = "drafter") ->
     return vocab
 
 
-def load_drafter(path: str, target_path: str, name: str = "drafter") -> tuple[PreTrainedModel, VocabMap | None]:
-    """A drafter folder or hub id, after the compatibility gate."""
+def load_drafter(path: str, target_path: str, name: str = "drafter",
+                 device: torch.device = torch.device("cpu")) -> tuple[PreTrainedModel, VocabMap | None]:
+    """A drafter folder or hub id, after the compatibility gate, with its vocab map, on ``device``."""
     vocab = check_drafter(path, target_path, name)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), vocab
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    return model, vocab.to(device) if vocab is not None else None
 
 
 def build_drafter(

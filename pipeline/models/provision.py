@@ -129,21 +129,24 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_model(path: str, dtype: str = "float32"):
-    """The target for decoding (eval, benchmarks): every method decodes with this same model object."""
+def load_model(path: str, dtype: str = "float32", device: torch.device = torch.device("cpu")):
+    """The target for decoding (eval, benchmarks), on ``device``: every method decodes with this same model
+    object. On a GPU the weights load straight onto it (no copy of a 7B model through host memory)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    placement = {"device_map": {"": str(device)}} if device.type != "cpu" else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **placement)
     head = model.get_output_embeddings()
-    if isinstance(head, torch.nn.Linear) and head.bias is None and head.weight.dtype == torch.float32:
+    if (device.type == "cpu" and isinstance(head, torch.nn.Linear) and head.bias is None
+            and head.weight.dtype == torch.float32):
         model.set_output_embeddings(TransposedOutputLayer(head.weight))
     return model.eval()
 
 
 class TransposedOutputLayer(torch.nn.Module):
-    """A float32 output layer computed as (W·hᵀ)ᵀ instead of nn.Linear's h·Wᵀ: the same dot products, but
-    CPU BLAS runs a 262k × 640 weight (gemma-3-270m) over the 2–7 positions of a speculative verify
-    ~2–3× faster this way. Measured through the engine on this 2-core CPU: verify of K+1 positions over
+    """A float32 output layer computed as (W·hᵀ)ᵀ instead of nn.Linear's h·Wᵀ, on the CPU only (cuBLAS needs
+    no such help): the same dot products, but CPU BLAS runs a 262k × 640 weight (gemma-3-270m) over the
+    2–7 positions of a speculative verify ~2–3× faster this way. Measured through the engine on this 2-core CPU: verify of K+1 positions over
     one target step, v(1) 2.03 → 1.03, v(4) 1.77 → 1.02, v(6) 2.50 → 1.41; the one-token step unchanged.
     Shares the weight, so tied embeddings stay tied."""
 

@@ -38,6 +38,11 @@ class VocabMap:
         self.to_drafter = torch.full((self.target_vocab_size,), self.unk_id, dtype=torch.long)
         self.to_drafter[self.target_ids] = torch.arange(len(self.target_ids))
 
+    def to(self, device: torch.device) -> "VocabMap":
+        """Move the map to the drafter's device (in place): encode and expand_logits then copy nothing."""
+        self.target_ids, self.to_drafter = self.target_ids.to(device), self.to_drafter.to(device)
+        return self
+
     @property
     def unk_id(self) -> int:
         return len(self.target_ids)

@@ -6,6 +6,8 @@ and both caches are cropped back to the accepted prefix. Target-only decoding is
 drafter (K=0), so speedups compare like with like. Batch size 1; the sampler itself is batched.
 
 All ids are target-vocabulary ids; a reduced-vocabulary drafter translates at its boundary (VocabMap).
+Every tensor the loop makes lives on the prompt's device (the models' and caches' device), and every
+timer reads ``pipeline.device.clock``, which waits for that device's queued work first.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import time
+import statistics
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, StopStringCriteria, StoppingCriteriaList
 
+from pipeline import device as devices
 from pipeline.models.vocab import VocabMap
 from pipeline.speculative.sampler import Sampling, probabilities, sample, verify, verify_greedy
 
@@ -32,7 +35,8 @@ class CachedModel:
         self.reset()
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        with torch.device(self.model.device):  # Gemma 3's sliding-window layers make a tensor here
+            self.cache = DynamicCache(config=self.model.config)
         # Sliding-window layers (Gemma 3) otherwise drop the states a rollback needs.
         self.cache.activate_past_recording()
         self.length = 0
@@ -125,7 +129,7 @@ class PromptLookupDrafter:
                     break
             if draft:
                 break
-        tokens = torch.tensor([draft], dtype=torch.long)
+        tokens = torch.tensor([draft], dtype=torch.long, device=sequence.device)
         if sampling.greedy:
             return tokens, None
         return tokens, torch.nn.functional.one_hot(tokens, self.vocab_size).float()
@@ -212,8 +216,10 @@ def generate(
     k: int = 0,
     generator: torch.Generator | None = None,
 ) -> Generation:
-    """Speculative decoding with ``drafter`` and K, or target-only decoding without one."""
-    started = time.perf_counter()
+    """Speculative decoding with ``drafter`` and K, or target-only decoding without one. ``prompt_ids`` and
+    ``generator`` live on the models' device."""
+    device = prompt_ids.device
+    started = devices.clock(device)
     target.reset()
     if drafter is not None:
         drafter.reset()
@@ -250,22 +256,24 @@ def generate(
         if end is not None:
             result.tokens, result.finish_reason = result.tokens[:end], "stop"
             break
-    result.seconds = time.perf_counter() - started
+    result.seconds = devices.clock(device) - started
     return result
 
 
 def timed_forward(lm: CachedModel, tokens: torch.Tensor) -> float:
     """Seconds of one forward over ``tokens`` after the cached prefix, which is then restored."""
     length = lm.length
-    started = time.perf_counter()
+    started = devices.clock(tokens.device)
     lm.forward(tokens, keep=tokens.shape[1])
+    seconds = devices.clock(tokens.device) - started
     lm.rollback(length)
-    return time.perf_counter() - started
+    return seconds
 
 
 def step_costs(target: CachedModel, drafter: CachedModel, prompt_ids: torch.Tensor, ks: list[int], repetitions: int = 10):
     """The formula's costs on this machine: c = drafter step / target step, v(K) = target verify(K+1) / target step.
-    Medians over repetitions that interleave the measured forwards, so load changes hit them alike."""
+    Medians over repetitions that interleave the measured forwards, so load changes hit them alike. Call it
+    after a warm-up: the first forwards on a GPU pay for kernel selection and allocation."""
     for lm in (target, drafter):
         lm.reset()
         lm.forward(prompt_ids, keep=1)
@@ -276,9 +284,19 @@ def step_costs(target: CachedModel, drafter: CachedModel, prompt_ids: torch.Tens
         times["drafter"].append(timed_forward(drafter, tokens[:, :1]))
         for k in ks:
             times[k].append(timed_forward(target, tokens[:, : k + 1]))
-    median = {key: float(torch.tensor(values).median()) for key, values in times.items()}
+    median = {key: statistics.median(values) for key, values in times.items()}
     return {"target_step_s": median["target"], "drafter_step_s": median["drafter"],
             "c": median["drafter"] / median["target"], "v": {k: median[k] / median["target"] for k in ks}}
+
+
+@torch.inference_mode()
+def top2_gap(model, prompt_ids: torch.Tensor, prefix: list[int]) -> float:
+    """The target's top-2 logit gap for the token after ``prompt_ids`` + ``prefix`` (one full forward, no
+    cache): how close to a tie its greedy choice there is."""
+    extra = torch.tensor([prefix], dtype=torch.long, device=prompt_ids.device)
+    logits = model(input_ids=torch.cat([prompt_ids, extra], dim=1), use_cache=False, logits_to_keep=1).logits[0, -1].float()
+    best = logits.topk(2).values
+    return float(best[0] - best[1])
 
 
 def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:

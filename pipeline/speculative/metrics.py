@@ -11,9 +11,11 @@
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 
+import torch
+
+from pipeline import device as devices
 from pipeline.speculative.engine import Generation
 
 
@@ -25,11 +27,11 @@ def measure(run: Callable[[], Generation], repetitions: int) -> Generation:
     return first
 
 
-def timed(run: Callable[[], list[int]]) -> Generation:
-    """A Generation from a decoder that only returns token ids (HF generate)."""
-    started = time.perf_counter()
+def timed(run: Callable[[], list[int]], device: torch.device) -> Generation:
+    """A Generation from a decoder that only returns token ids (HF generate) on ``device``."""
+    started = devices.clock(device)
     tokens = run()
-    return Generation(tokens=tokens, finish_reason="", seconds=time.perf_counter() - started)
+    return Generation(tokens=tokens, finish_reason="", seconds=devices.clock(device) - started)
 
 
 def method_stats(generations: list[Generation]) -> dict:

@@ -65,10 +65,10 @@ def verify(
     The emitted tokens of row b are ``draft_tokens[b, :num_accepted[b]]`` followed by ``next_token[b]``.
     """
     batch, k = draft_tokens.shape
-    rows = torch.arange(batch)
+    rows = torch.arange(batch, device=target_probs.device)
     target_at_draft = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
     draft_at_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
-    u = torch.rand(batch, k, generator=generator, dtype=target_probs.dtype)
+    u = torch.rand(batch, k, generator=generator, dtype=target_probs.dtype, device=target_probs.device)
     accepted = u * draft_at_draft < target_at_draft  # u < min(1, target/draft), without dividing by zero
     num_accepted = accepted.long().cumprod(-1).sum(-1)  # leading run of acceptances
 
@@ -90,4 +90,4 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     batch, k = draft_tokens.shape
     target_tokens = target_logits.argmax(-1)  # (B, K+1)
     num_accepted = (draft_tokens == target_tokens[:, :k]).long().cumprod(-1).sum(-1)
-    return num_accepted, target_tokens[torch.arange(batch), num_accepted]
+    return num_accepted, target_tokens[torch.arange(batch, device=target_tokens.device), num_accepted]

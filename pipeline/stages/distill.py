@@ -37,6 +37,7 @@ from tqdm import tqdm
 from pipeline.config import PromptFormat
 from pipeline.data import back_translation
 from pipeline.data.sources import Example, load_sources
+from pipeline.jsonl import AppendOnlyJsonl, read_jsonl
 from pipeline.models.provision import CHECKSUMS, load_tokenizer, model_path
 from pipeline.prompts import build_prompt, chat_messages
 from pipeline.rundir import StageConflictError, StageDir, make_command
@@ -57,35 +58,6 @@ Key = tuple[str, float, int]  # (example id, temperature, sample index)
 
 class DistillIncompleteError(ServingError):
     """Some requests failed for a reason a rerun can fix (server down, timeouts)."""
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The complete lines of an append-only JSONL file; a torn last line (kill -9 mid-write) is cut off."""
-    data = path.read_bytes()
-    complete = data[: data.rfind(b"\n") + 1]
-    if len(complete) != len(data):
-        with path.open("r+b") as handle:
-            handle.truncate(len(complete))
-    # split at "\n" only: str.splitlines would also cut at U+2028 and the like, which JSON keeps raw in answers
-    return [json.loads(line) for line in complete.decode().split("\n") if line.strip()]
-
-
-class AppendOnlyJsonl:
-    """Appends one JSON line at a time, durable once ``append`` returns; the file is created on first use."""
-
-    def __init__(self, path: Path):
-        self.path, self.handle = path, None
-
-    def append(self, record: dict) -> None:
-        if self.handle is None:
-            self.handle = self.path.open("a")
-        self.handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self.handle.flush()
-        os.fsync(self.handle.fileno())
-
-    def close(self) -> None:
-        if self.handle is not None:
-            self.handle.close()
 
 
 def record_key(record: dict) -> Key:

@@ -14,34 +14,54 @@ max_new_tokens, stop strings and seeds, interleaved prompt by prompt so machine 
   prompt drafted by the finetuned drafter of its detected source language (pipeline/speculative/router.py),
   against ``speculative`` with the one drafter for all
 
-Writes metrics.json (metrics defined in pipeline/speculative/metrics.py, per language, temperature and
-seed, plus mean ± std over seeds), samples.jsonl, report.md and PNG plots. At T=0 the speculative and
-PLD outputs must equal the target's own greedy tokens on every prompt, or the stage fails (after
-writing its outputs, for inspection). An interrupted eval is measured again from the start: its
-timings must come from one session on one machine state.
+Target, drafters and every tensor of the decoding loop live on one device (``eval.device``; auto = CUDA
+when one is visible), and every timer waits for that device (pipeline/device.py). The costs c and v(K)
+are measured after the warm-up.
+
+A prompt is the unit of work: all its methods are timed together, and its row (every method's tokens,
+rounds and seconds) is appended to samples.jsonl, durable, before the next prompt starts. A rerun after a
+kill, a crash or SIGTERM/SIGUSR1 (Slurm's warning; the stage then exits 75 like training) measures only
+the prompts without a row, and metrics.json lists the sessions that measured them. Metrics come from the
+rows (definitions in pipeline/speculative/metrics.py): per language, temperature and seed, plus mean ± std
+over seeds; report.md and PNG plots follow. At T=0 the speculative, PLD, hybrid and router outputs pass
+the greedy gate (pipeline/evaluation.py: exact in float32, numerical ties allowed in half precision), or
+the stage fails after writing its outputs, for inspection.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import platform
+import socket
+import sys
+import time
 from pathlib import Path
 
 import torch
-import transformers
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
+from tqdm import tqdm
 
 from pipeline import report
-from pipeline.config import CONF_DIR, EVAL_METHODS, ConfigError, LangConfig
-from pipeline.data.sources import load_sources
+from pipeline.config import EVAL_METHODS
+from pipeline.device import resolve_device
+from pipeline.evaluation import (
+    SUMMARY_KEYS,
+    GreedyGate,
+    environment,
+    eos_ids,
+    eval_pairs,
+    heldout_prompts,
+    lang_config,
+    summarize,
+    tie_tolerance,
+    write_results,
+)
+from pipeline.jsonl import AppendOnlyJsonl, read_jsonl
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
-from pipeline.prompts import build_prompt
 from pipeline.rundir import StageInputError, make_command, stage_dir
-from pipeline.speculative import LosslessError
 from pipeline.speculative.engine import (
     CachedModel,
+    Generation,
     LookupThenModelDrafter,
     ModelDrafter,
     PromptLookupDrafter,
@@ -50,48 +70,27 @@ from pipeline.speculative.engine import (
     hf_generate,
     predicted_speedup,
     step_costs,
+    top2_gap,
 )
-from pipeline.speculative.metrics import mean_std, measure, method_stats, speedup, timed
+from pipeline.speculative.metrics import measure, method_stats, speedup, timed
 from pipeline.speculative.router import LanguageRouter
 from pipeline.speculative.sampler import Sampling
+from pipeline.training.loop import EXIT_PREEMPTED, preemption_signals
 
 METHODS = (*EVAL_METHODS, "router")
 MODEL_DRAFTED = ("speculative", "hybrid", "router")  # the methods that pay drafter steps
 EXACT_AT_T0 = ("speculative", "pld", "hybrid", "router")  # our loop: greedy output must be the target's
 MIXED = "mixed"  # the router's prompt set: held-out prompts of every eval.router_langs pair
-SUMMARY_KEYS = ("speedup", "tokens_per_s", "alpha", "tau", "predicted_speedup")
-
-
-def environment() -> dict:
-    return {
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }
-
-
-def lang_config(cfg: DictConfig, pair: str) -> DictConfig:
-    """``cfg`` with another language pair (cross-language matrix mode)."""
-    other = cfg.copy()
-    other.lang = OmegaConf.merge(OmegaConf.structured(LangConfig), OmegaConf.load(CONF_DIR / "lang" / f"{pair}.yaml"))
-    return other
-
-
-def eos_ids(tokenizer, model) -> list[int]:
-    configured = model.generation_config.eos_token_id
-    configured = configured if isinstance(configured, list) else [configured]
-    return sorted({i for i in [tokenizer.eos_token_id, *configured] if i is not None})
+SAMPLES = "samples.jsonl"  # one row per (pair, temperature, seed, prompt), appended as each prompt is measured
+PROGRESS = "progress.json"  # the step costs and the sessions that measured the rows
 
 
 class Decoders:
-    """Every method's decoder over the same target, drafter and stop condition."""
+    """Every method's decoder over the same target, drafter and stop condition, on one device."""
 
-    def __init__(self, cfg: DictConfig, target_model, drafter_model, vocab_map, tokenizer, router_drafters: dict):
-        self.cfg = cfg
+    def __init__(self, cfg: DictConfig, target_model, drafter_model, vocab_map, tokenizer, router_drafters: dict,
+                 device: torch.device):
+        self.cfg, self.device = cfg, device
         self.target_model, self.drafter_model = target_model, drafter_model
         self.target = CachedModel(target_model)
         confidence = cfg.eval.draft_confidence
@@ -118,14 +117,15 @@ class Decoders:
 
     def decode(self, method: str, k: int, ids: torch.Tensor, sampling: Sampling, seed: int, routed=None):
         ev = self.cfg.eval
-        g = torch.Generator().manual_seed(seed)
         if method in ("hf", "hf_assisted"):
             assistant = self.drafter_model if method == "hf_assisted" else None
             return timed(lambda: hf_generate(self.target_model, ids, ev.max_new_tokens, self.stop, sampling, seed,
-                                             assistant=assistant, k=k))
+                                             assistant=assistant, k=k), self.device)
         drafter = {"target": None, "speculative": self.drafter, "pld": self.pld, "hybrid": self.hybrid,
                    "router": routed}[method]
-        return generate(self.target, ids, ev.max_new_tokens, self.stop, sampling, drafter=drafter, k=k, generator=g)
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        return generate(self.target, ids, ev.max_new_tokens, self.stop, sampling, drafter=drafter, k=k,
+                        generator=generator)
 
 
 def run(cfg: DictConfig, directory, tracker) -> dict:
@@ -134,16 +134,19 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
         from pipeline.speculative import vllm_engine
 
         return vllm_engine.run(cfg, directory, tracker)
+    device = resolve_device(ev.device)
     target_path = model_path(cfg.target, cfg.paths.models_dir)
     drafter_path = ev.drafter_path or str(directory.inputs["finetune"].path / "drafter")
     if not Path(drafter_path).is_dir():
         raise FileNotFoundError(f"drafter folder {drafter_path} does not exist; set eval.drafter_path to an HF folder")
-    drafter_model, vocab_map = load_drafter(drafter_path, target_path)  # the tokenizer gate, before the target loads
-    router_drafters = {lang_config(cfg, pair).lang.src: load_drafter(finetuned_drafter(cfg, pair), target_path)
+    # the tokenizer gate, before the target loads
+    drafter_model, vocab_map = load_drafter(drafter_path, target_path, device=device)
+    router_drafters = {lang_config(cfg, pair).lang.src: load_drafter(finetuned_drafter(cfg, pair), target_path,
+                                                                     device=device)
                        for pair in ev.router_langs}
     tokenizer = load_tokenizer(target_path)
-    target_model = load_model(target_path, cfg.target.dtype)
-    decoders = Decoders(cfg, target_model, drafter_model.eval(), vocab_map, tokenizer, router_drafters)
+    target_model = load_model(target_path, cfg.target.dtype, device)
+    decoders = Decoders(cfg, target_model, drafter_model.eval(), vocab_map, tokenizer, router_drafters, device)
 
     pairs = eval_pairs(cfg)
     prompts = {pair: heldout_prompts(cfg, pair, tokenizer) for pair in {*pairs, *ev.router_langs}}
@@ -152,53 +155,98 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
         mixed = [p for group in zip(*(prompts[pair] for pair in ev.router_langs)) for p in group]
         prompts = {pair: prompts[pair] for pair in pairs} | {MIXED: mixed[: ev.num_prompts]}
         pairs.append(MIXED)
+    token_ids = {prompt: tokenizer(prompt, return_tensors="pt").input_ids.to(device)
+                 for pair in pairs for _, prompt in prompts[pair]}
 
-    first_ids = tokenizer(prompts[cfg.lang.pair][0][1], return_tensors="pt").input_ids
-    ks = sorted({ev.num_draft_tokens, *ev.k_sweep})
-    costs = step_costs(decoders.target, decoders.drafter.lm, first_ids, ks)
-    print(f"eval: c = {costs['c']:.3f}, v(K={ev.num_draft_tokens}) = {costs['v'][ev.num_draft_tokens]:.2f}", flush=True)
+    # (temperature, pair, seed, its variants): greedy output does not depend on the seed
+    blocks = [(t, pair, seed, decoders.variants(first_pass=t == 0 and i == 0, pair=pair))
+              for t in ev.temperatures for pair in pairs
+              for i, seed in enumerate(list(ev.seeds) if t > 0 else list(ev.seeds)[:1])]
+    path = directory.path
+    rows = {row_key(row): row for row in (read_jsonl(path / SAMPLES) if (path / SAMPLES).exists() else [])}
+    progress = json.loads((path / PROGRESS).read_text()) if (path / PROGRESS).exists() else {"sessions": []}
+    session = len(progress["sessions"])
+    todo = sum(len(variants) for t, pair, seed, variants in blocks for example, _ in prompts[pair]
+               if (pair, t, seed, example.id) not in rows)
+    total = sum(len(variants) * len(prompts[pair]) for _, pair, _, variants in blocks)
+    if rows:
+        print(f"eval: resuming: {total - todo} of {total} decodes already measured in {session} earlier "
+              f"session(s) of {path / SAMPLES}", flush=True)
 
-    results, mismatches, samples = {}, [], []
-    for temperature in ev.temperatures:
-        sampling = Sampling(temperature, ev.top_k, ev.top_p)
-        seeds = list(ev.seeds) if temperature > 0 else list(ev.seeds)[:1]  # greedy output does not depend on the seed
-        for _ in range(ev.warmup):
-            ids = tokenizer(prompts[cfg.lang.pair][0][1], return_tensors="pt").input_ids
-            for _, method, k in decoders.variants(first_pass=True, pair=cfg.lang.pair):
-                decoders.decode(method, k, ids, sampling, seeds[0])
-        for pair in pairs:
-            per_seed = {}
-            for seed_index, seed in enumerate(seeds):
-                variants = decoders.variants(first_pass=temperature == 0 and seed_index == 0, pair=pair)
-                outputs = {name: [] for name, _, _ in variants}
+    with preemption_signals() as received:
+        if todo:
+            first_ids = token_ids[prompts[cfg.lang.pair][0][1]]
+            for t in ev.temperatures:
+                for _ in range(ev.warmup):
+                    for _, method, k in decoders.variants(first_pass=True, pair=cfg.lang.pair):
+                        decoders.decode(method, k, first_ids, Sampling(t, ev.top_k, ev.top_p), ev.seeds[0])
+            if "costs" not in progress:  # after the warm-up: a cold GPU measures allocation, not steps
+                ks = sorted({ev.num_draft_tokens, *ev.k_sweep})
+                progress["costs"] = step_costs(decoders.target, decoders.drafter.lm, first_ids, ks)
+            progress["sessions"].append({"started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                         "host": socket.gethostname(), "device": str(device)})
+            write_json(path / PROGRESS, progress)
+            costs = step_costs_of(progress)
+            print(f"eval: c = {costs['c']:.3f}, v(K={ev.num_draft_tokens}) = {costs['v'][ev.num_draft_tokens]:.2f}",
+                  flush=True)
+        out = AppendOnlyJsonl(path / SAMPLES)
+        bar = tqdm(total=total, initial=total - todo, desc="eval decodes", unit="decode", file=sys.stderr,
+                   disable=not todo)
+        try:
+            for t, pair, seed, variants in blocks:
+                sampling = Sampling(t, ev.top_k, ev.top_p)
                 for index, (example, prompt) in enumerate(prompts[pair]):
-                    ids = tokenizer(prompt, return_tensors="pt").input_ids
-                    prompt_seed = seed * 1_000_003 + index
-                    row = {"lang": pair, "temperature": temperature, "seed": seed, "id": example.id, "src": example.src,
-                           "ref": example.ref, "prompt": prompt, "methods": {}}
+                    if (pair, t, seed, example.id) in rows:
+                        continue
+                    row = {"lang": pair, "temperature": t, "seed": seed, "id": example.id, "src": example.src,
+                           "ref": example.ref, "prompt": prompt, "session": session, "methods": {}}
                     routed = None
                     if pair == MIXED:
                         routed_language, routed = decoders.router.route(example.src)
                         row["source_pair"], row["routed_to"] = source_pair[example.id], routed_language or "fallback"
                     for name, method, k in variants:
-                        out = measure(lambda: decoders.decode(method, k, ids, sampling, prompt_seed, routed), ev.repetitions)
-                        outputs[name].append(out)
-                        row["methods"][name] = {"output": decoders.stop.text(out.tokens), "tokens": len(out.tokens),
-                                                "accept_lengths": out.accepted, "drafted": out.drafted,
-                                                "seconds": out.seconds}
-                        if temperature == 0 and method in EXACT_AT_T0 and out.tokens != outputs["target"][-1].tokens:
-                            mismatches.append({"lang": pair, "id": example.id, "method": name})
-                    samples.append(row)
-                per_seed[seed] = seed_stats(outputs, variants, costs)
-                tracker.log({f"{pair}/T{temperature}/{name}/{key}": value for name, stats in per_seed[seed].items()
-                             for key, value in stats.items() if key in SUMMARY_KEYS})
-            results.setdefault(pair, {})[f"T={temperature}"] = {"seeds": per_seed, "summary": summarize(per_seed)}
-            print(f"eval {pair} T={temperature}: " + ", ".join(
-                f"{name} {s['speedup']['mean']:.2f}x" for name, s in results[pair][f"T={temperature}"]["summary"].items()),
-                flush=True)
+                        if received:
+                            raise SystemExit(preempted(path, todo))
+                        ids, prompt_seed = token_ids[prompt], seed * 1_000_003 + index
+                        generation = measure(lambda: decoders.decode(method, k, ids, sampling, prompt_seed, routed),
+                                             ev.repetitions)
+                        row["methods"][name] = method_row(generation, decoders.stop)
+                        bar.update()
+                    out.append(row)
+                    rows[row_key(row)] = row
+                    todo -= len(variants)
+        finally:
+            out.close()
+            bar.close()
+
+    costs = step_costs_of(progress)
+    results, gate = {}, GreedyGate(tie_tolerance(cfg.target.dtype, ev.tie_tolerance))
+    for t, pair, seed, variants in blocks:
+        block_rows = [rows[pair, t, seed, example.id] for example, _ in prompts[pair]]
+        outputs = {name: [generation_of(row["methods"][name]) for row in block_rows] for name, _, _ in variants}
+        stats = seed_stats(outputs, variants, costs)
+        results.setdefault(pair, {}).setdefault(f"T={t}", {"seeds": {}})["seeds"][seed] = stats
+        tracker.log({f"{pair}/T{t}/{name}/{key}": value for name, s in stats.items()
+                     for key, value in s.items() if key in SUMMARY_KEYS})
+        if t == 0:
+            for row in block_rows:
+                reference, ids = row["methods"]["target"]["token_ids"], token_ids[row["prompt"]]
+                for name, method, _ in variants:
+                    if method in EXACT_AT_T0:
+                        gate.check({"lang": pair, "id": row["id"], "method": name}, reference,
+                                   row["methods"][name]["token_ids"],
+                                   lambda position: top2_gap(target_model, ids, reference[:position]))
+    for by_t in results.values():
+        for t, result in by_t.items():
+            result["summary"] = summarize(result["seeds"])
+    for pair, by_t in results.items():
+        for t, result in by_t.items():
+            print(f"eval {pair} {t}: " + ", ".join(f"{name} {s['speedup']['mean']:.2f}x"
+                                                   for name, s in result["summary"].items()), flush=True)
 
     metrics = {
         "target": target_path,
+        "target_dtype": cfg.target.dtype,
         "drafter": drafter_path,
         "reduced_vocab": vocab_map.drafter_vocab_size - 1 if vocab_map is not None else None,
         "trained_on": cfg.lang.pair,
@@ -209,45 +257,53 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
         "costs": costs,
         "k_sweep": k_sweep(results, cfg.lang.pair, ev.num_draft_tokens),
         "results": results,
-        "lossless": {"greedy_prompts_checked": sum(len(p) for p in prompts.values()) if 0 in ev.temperatures else 0,
-                     "mismatches": mismatches},
+        "lossless": gate.summary(),
         "hf_assisted": "run" if decoders.hf_assisted else "skipped: reduced-vocabulary drafter",
-        "router": router_summary(cfg, samples) if ev.router_langs else None,
-        "environment": environment(),
+        "router": router_summary(cfg, list(rows.values())) if ev.router_langs else None,
+        "sessions": [info | {"prompts_measured": sum(row["session"] == i for row in rows.values())}
+                     for i, info in enumerate(progress["sessions"])],
+        "environment": environment(device),
     }
-    write_results(directory.path, metrics, samples, tracker, cfg.lang.pair, {"c": costs["c"]})
-    report.write_stage_report(metrics, directory.path)
-    check_lossless(mismatches, "greedy outputs differ from the target's own", directory.path)
-    return {"prompts": sum(len(p) for p in prompts.values()), "languages": len(pairs), "greedy_mismatches": 0}
+    write_results(path, metrics, tracker, cfg.lang.pair, {"c": costs["c"]})
+    report.write_stage_report(metrics, path)
+    gate.enforce("greedy outputs differ from the target's own", path)
+    return {"prompts": sum(len(p) for p in prompts.values()), "languages": len(pairs), "greedy_mismatches": 0,
+            "greedy_ties": len(gate.ties), "sessions": len(progress["sessions"])}
 
 
-def write_results(out_dir: Path, metrics: dict, samples: list[dict], tracker, pair: str, extra: dict) -> None:
-    """metrics.json, samples.jsonl, and the main pair's mean summaries (plus ``extra``) to the tracker."""
-    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    with (out_dir / "samples.jsonl").open("w") as handle:
-        handle.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in samples)
-    tracker.summary({f"{t}/{name}/{key}": s[key]["mean"] for t, r in metrics["results"][pair].items()
-                     for name, s in r["summary"].items() for key in SUMMARY_KEYS if key in s} | extra)
+def row_key(row: dict) -> tuple:
+    return row["lang"], float(row["temperature"]), row["seed"], row["id"]
 
 
-def check_lossless(mismatches: list, what: str, out_dir: Path) -> None:
-    """The T=0 gate: fail the stage, in one line, after its samples are written."""
-    if mismatches:
-        raise LosslessError(f"{len(mismatches)} {what} (first: {mismatches[0]}); see {out_dir / 'samples.jsonl'}")
+def method_row(generation: Generation, stop: StopCondition) -> dict:
+    """What samples.jsonl keeps of one method's decode: enough to recompute every metric on a resume."""
+    return {"output": stop.text(generation.tokens), "tokens": len(generation.tokens), "token_ids": generation.tokens,
+            "finish_reason": generation.finish_reason, "target_calls": generation.target_calls,
+            "accept_lengths": generation.accepted, "drafted": generation.drafted, "seconds": generation.seconds}
 
 
-def eval_pairs(cfg: DictConfig) -> list[str]:
-    """The pair the drafter was trained on, then the cross-language matrix's other pairs."""
-    return [cfg.lang.pair, *[p for p in cfg.eval.matrix_langs if p != cfg.lang.pair]]
+def generation_of(method: dict) -> Generation:
+    return Generation(tokens=method["token_ids"], finish_reason=method["finish_reason"],
+                      target_calls=method["target_calls"], drafted=method["drafted"],
+                      accepted=method["accept_lengths"], seconds=method["seconds"])
 
 
-def heldout_prompts(cfg: DictConfig, pair: str, tokenizer) -> list:
-    """(example, prompt as the target sees it) for the first eval.num_prompts held-out sources of ``pair``."""
-    lang_cfg = lang_config(cfg, pair) if pair != cfg.lang.pair else cfg
-    heldout = load_sources(lang_cfg)[1][: cfg.eval.num_prompts]
-    if not heldout:
-        raise ConfigError(f"no held-out prompts for {pair}; raise data.heldout_max or choose another lang")
-    return [(ex, build_prompt(cfg.target, lang_cfg.lang, ex.src, tokenizer)) for ex in heldout]
+def preempted(path: Path, todo: int) -> int:
+    print(f"eval: stopped by a signal with {todo} decodes left; every finished prompt is in {path / SAMPLES}: "
+          "run the same command again to measure the rest", file=sys.stderr, flush=True)
+    return EXIT_PREEMPTED
+
+
+def step_costs_of(progress: dict) -> dict:
+    """The costs as step_costs returns them (progress.json's JSON keys v(K) by strings)."""
+    costs = progress["costs"]
+    return costs | {"v": {int(k): v for k, v in costs["v"].items()}}
+
+
+def write_json(path: Path, data: dict) -> None:
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(data, indent=2) + "\n")
+    partial.replace(path)
 
 
 def finetuned_drafter(cfg: DictConfig, pair: str) -> str:
@@ -281,13 +337,6 @@ def seed_stats(outputs: dict, variants: list, costs: dict) -> dict:
             c = costs["c"] if method in MODEL_DRAFTED else 0.0  # a prompt lookup costs next to nothing
             stats[name]["predicted_speedup"] = predicted_speedup(stats[name]["alpha"], k, c, costs["v"].get(k, 1.0))
     return stats
-
-
-def summarize(per_seed: dict) -> dict:
-    names = next(iter(per_seed.values())).keys()
-    return {name: {key: mean_std([s[name][key] for s in per_seed.values() if name in s])
-                   for key in SUMMARY_KEYS if all(key in s.get(name, {}) for s in per_seed.values())}
-            for name in names}
 
 
 def k_sweep(results: dict, pair: str, k_main: int) -> dict:

@@ -1,0 +1,42 @@
+"""Append-only JSONL files that survive a ``kill -9``: the distill stage's records and the eval stage's
+per-prompt results are written one durable line at a time and read back without a torn last line."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The complete lines of an append-only JSONL file; a torn last line (kill -9 mid-write) is cut off."""
+    data = path.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    if len(complete) != len(data):
+        with path.open("r+b") as handle:
+            handle.truncate(len(complete))
+    # split at "\n" only: str.splitlines would also cut at U+2028 and the like, which JSON keeps raw in answers
+    return [json.loads(line) for line in complete.decode().split("\n") if line.strip()]
+
+
+class AppendOnlyJsonl:
+    """Appends one JSON line at a time, durable once ``append`` returns; the file is created on first use."""
+
+    def __init__(self, path: Path):
+        self.path, self.handle = path, None
+
+    def append(self, record: dict) -> None:
+        if self.handle is None:
+            self.handle = self.path.open("a")
+        self.handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    with path.open("w") as handle:
+        handle.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
