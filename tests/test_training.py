@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.config import ConfigError, Loss, TrainConfig
+from pipeline.config import ConfigError, Loss, TrainConfig, compose_config
 from pipeline.models.provision import load_model, load_tokenizer
 from pipeline.models.vocab import VocabMap
 from pipeline.training import loop
@@ -232,3 +232,27 @@ def test_checkpoint_of_another_process_count_resumes_unless_deepspeed_wrote_or_r
     with pytest.raises(ConfigError, match="DeepSpeed ZeRO shards its state by process") as refused:
         loop.check_resumable(checkpoint, zero, {"processes": 4, "deepspeed": True, "launch": "deepspeed-zero2"})
     assert "\n" not in str(refused.value) and "num_processes=8" in str(refused.value)
+
+
+def test_num_processes_auto_is_every_local_gpu_and_must_split_the_batch(monkeypatch):
+    import torch
+
+    from pipeline.training.launch import processes
+
+    cfg = compose_config(["recipe=paper-vicuna"])
+    assert cfg.train.finetune.num_processes == "auto"
+    monkeypatch.delenv("SLURM_NNODES", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert processes(cfg, "finetune") == 1  # no GPU: one process
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert processes(cfg, "finetune") == 4
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    assert processes(cfg, "pretrain") == 8
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.delenv("SLURM_NNODES")
+    with pytest.raises(ConfigError, match=r"num_processes=auto found 3 process\(es\), which do not split "
+                                          r"train.finetune.batch_size=32"):
+        processes(cfg, "finetune")
+    assert processes(compose_config(["recipe=ci"]), "finetune") == 1  # a number stays that number
+    with pytest.raises(ConfigError, match="num_processes must be a positive integer or auto, not many"):
+        compose_config(["recipe=ci", "train.finetune.num_processes=many"])

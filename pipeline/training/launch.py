@@ -67,12 +67,28 @@ def read_metrics(stage_path: Path) -> dict[int, dict]:
     return {row["step"]: row for row in map(json.loads, lines)}
 
 
+def processes(cfg: DictConfig, stage: str) -> int:
+    """train.<stage>.num_processes, with auto resolved here: every visible GPU of this node (1 without one)
+    times the nodes of a multi-node Slurm job; the global batch must split evenly over them."""
+    tc = cfg.train[stage]
+    if tc.num_processes != "auto":
+        return tc.num_processes
+    import torch
+
+    count = max(torch.cuda.device_count(), 1) * int(os.environ.get("SLURM_NNODES", "1"))
+    if tc.batch_size % (tc.grad_accum * count):
+        raise ConfigError(f"train.{stage}.num_processes=auto found {count} process(es), which do not split "
+                          f"train.{stage}.batch_size={tc.batch_size} x grad_accum={tc.grad_accum} evenly: "
+                          f"set train.{stage}.num_processes or batch_size")
+    return count
+
+
 def accelerate_command(cfg: DictConfig, stage: str, config_file: Path) -> list[str]:
     tc = cfg.train[stage]
     return [
         sys.executable, "-m", "pipeline.training.launcher",  # accelerate launch, less its traceback
         "--config_file", str(RECIPES_DIR / "launch" / f"{tc.launch}.yaml"),
-        "--num_processes", str(tc.num_processes),
+        "--num_processes", str(processes(cfg, stage)),
         *shlex.split(os.environ.get("SPECDRAFT_LAUNCH_ARGS", "")),
         "-m", "pipeline.training.launch", stage, str(config_file),
     ]
@@ -135,7 +151,7 @@ def run_training(cfg: DictConfig, stage: str, directory: StageDir, tracker: Trac
     """The stage's ``run``: train here or under accelerate launch; returns the manifest counts."""
     module = importlib.import_module(f"pipeline.stages.{stage}")
     tc = cfg.train[stage]
-    if tc.launch == "single" and tc.num_processes == 1:
+    if tc.launch == "single" and processes(cfg, stage) == 1:
         return module.train(cfg, directory, MetricsLog(directory.path / METRICS, tracker))
 
     if "deepspeed" in tc.launch and importlib.util.find_spec("deepspeed") is None:
