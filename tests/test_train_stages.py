@@ -253,7 +253,7 @@ def test_finetune_from_pretrain_on_distilled_records(distilled):
     counts = json.loads((path / "manifest.json").read_text())["counts"]
     assert counts["records"] == 16 and counts["temperatures"] == [0.0, 1.0] and counts["steps"] == 20
     curve = losses(path)
-    assert curve[-1] < curve[0], curve
+    assert len(curve) == 20 and sum(curve[-3:]) / 3 < curve[0] - 0.3, curve  # as pretraining's: over the run
     drafter = AutoModelForCausalLM.from_pretrained(path / "drafter")
     pretrained_drafter = AutoModelForCausalLM.from_pretrained(stage_dir(compose_config(args), "pretrain").path / "drafter")
     assert not torch.equal(drafter.lm_head.weight, pretrained_drafter.lm_head.weight)  # it learned from there
@@ -278,7 +278,7 @@ def test_finetune_with_a_kd_loss_on_the_targets_top_k(distilled):
     counts = json.loads((path / "manifest.json").read_text())["counts"]
     assert 0.3 < counts["teacher_coverage"] < 1.0  # stops, EOS and off-top-k tokens keep CE
     curve = losses(path)
-    assert curve[-1] < curve[0], curve
+    assert len(curve) == 20 and sum(curve[-3:]) / 3 < curve[0] - 0.3, curve  # as pretraining's: over the run
 
 
 def test_drafter_with_another_tokenizer_is_refused_before_any_compute(gemma_path, tmp_path, capsys):
