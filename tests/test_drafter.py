@@ -123,8 +123,10 @@ def test_reduced_vocab_drafter_folder_round_trips(smollm_path, tmp_path):
     save_drafter(model, smollm_path, vocab, tmp_path / "drafter")
     loaded, loaded_vocab = load_drafter(str(tmp_path / "drafter"), smollm_path)
     assert torch.equal(loaded_vocab.target_ids, vocab.target_ids) and loaded.config.vocab_size == 101
+    ids = vocab.encode(torch.tensor([[1, 49151, 5]]))
     with torch.no_grad():
-        logits = loaded(input_ids=vocab.encode(torch.tensor([[1, 49151, 5]]))).logits
+        logits = loaded(input_ids=ids).logits
+        torch.testing.assert_close(logits, model(input_ids=ids).logits, rtol=0, atol=0)  # the very drafter saved
     probs = torch.softmax(loaded_vocab.expand_logits(logits[0, -1]), -1)
     assert probs.shape == (49152,) and probs[vocab.target_ids].sum().item() == pytest.approx(1.0)
 

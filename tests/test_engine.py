@@ -19,6 +19,7 @@ from pipeline.speculative.engine import (
 )
 from pipeline.speculative.metrics import alpha_from_tau
 from pipeline.speculative.sampler import Sampling
+from test_sampler import assert_follows  # tests/ is on sys.path (pytest's rootdir-relative imports)
 
 VOCAB = 64
 NO_STOP = StopCondition(tokenizer=None)
@@ -191,7 +192,10 @@ def test_reduced_vocab_drafter_greedy_exact(make):
         assert 0 < sum(out.accepted) < sum(out.drafted)  # it proposes tokens the target accepts, and some it rejects
 
 
-@pytest.mark.slow  # 4000 generations each
+SAMPLES = 12_000
+
+
+@pytest.mark.slow  # SAMPLES generations each
 @pytest.mark.parametrize("variant", ["fixed_k", "confidence_cut", "lookup_then_model"])
 def test_reduced_vocab_drafter_sampling_is_target_distribution(variant):
     """First two emitted tokens at T=1 over many seeds, against the target's exact two-token distribution:
@@ -213,15 +217,20 @@ def test_reduced_vocab_drafter_sampling_is_target_distribution(variant):
     target = CachedModel(target_model)
     g = torch.Generator().manual_seed(0)
     samples, first_round_drafts = [], set()
-    for _ in range(4000):  # three tokens: the first round drafts two
-        out = generate(target, prompt, 3, NO_STOP, Sampling(1.0), drafter=drafter, k=2, generator=g)
-        samples.append(out.tokens[0] * vocab + out.tokens[1])
-        first_round_drafts.add(out.drafted[0])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # models this tiny decode ~5x faster on one thread than on two busy cores
+    try:
+        for _ in range(SAMPLES):  # three tokens: the first round drafts two
+            out = generate(target, prompt, 3, NO_STOP, Sampling(1.0), drafter=drafter, k=2, generator=g)
+            samples.append(out.tokens[0] * vocab + out.tokens[1])
+            first_round_drafts.add(out.drafted[0])
+    finally:
+        torch.set_num_threads(threads)
     if variant == "confidence_cut":  # the second draft is cut after some first drafts and not after others
         assert first_round_drafts == {1, 2}
-    counts = torch.bincount(torch.tensor(samples), minlength=vocab * vocab).double()
-    tv = float((counts / counts.sum() - expected).abs().sum() / 2)
-    assert tv < 0.06, tv  # 64 cells, 4000 samples: sampling noise alone gives TV ~ 0.03-0.04
+    # The sampler tests' chi-square at p = 1e-4 over the 64 cells (smallest expected count ~ 0.012 x SAMPLES);
+    # too few samples for their TV bound, which sampling noise alone would exceed here.
+    assert_follows(torch.tensor(samples), expected, max_tv=None)
 
 
 def test_stop_strings_and_eos_truncate(smollm_path):

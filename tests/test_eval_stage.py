@@ -35,7 +35,24 @@ def test_eval_stage_writes_metrics_report_and_passes_greedy_gate(ci_drafter, run
     assert metrics["sessions"][0]["prompts_measured"] == cfg.eval.num_prompts * 2 and len(metrics["sessions"]) == 1
     greedy, sampled = metrics["results"]["de-en"]["T=0.0"], metrics["results"]["de-en"]["T=1.0"]
     spec = greedy["seeds"]["0"]["speculative"]
-    assert 0 <= spec["alpha"] <= 1 and 1 <= spec["tau"] <= cfg.eval.num_draft_tokens + 1
+    # α and τ again from samples.jsonl, per (lang, T, seed, method): accepted / drafted, tokens / rounds (one
+    # target call each), summed over the prompts.
+    totals = {}
+    for row in map(json.loads, (out / "samples.jsonl").open()):
+        for name, method in row["methods"].items():
+            per_round = method["accept_lengths"]
+            if per_round:
+                counts = (sum(per_round), sum(method["drafted"]), method["tokens"], len(per_round))
+                key = (row["lang"], row["temperature"], row["seed"], name)
+                totals[key] = [a + b for a, b in zip(totals.get(key, [0] * 4), counts)]
+    assert {("de-en", 0.0, 0, "speculative"), ("de-en", 1.0, 0, "speculative"), ("de-en", 0.0, 0, "pld")} <= set(totals)
+    for (lang, temperature, seed, name), (accepted, drafted, tokens, rounds) in totals.items():
+        stats = metrics["results"][lang][f"T={temperature}"]["seeds"][str(seed)][name]
+        assert stats["tau"] == pytest.approx(tokens / rounds), (lang, temperature, name)
+        if drafted:
+            assert stats["alpha"] == pytest.approx(accepted / drafted), (lang, temperature, name)
+        else:
+            assert "alpha" not in stats, (lang, temperature, name)
     assert len(spec["acceptance_per_position"]) == cfg.eval.num_draft_tokens
     assert greedy["summary"]["target"]["speedup"]["mean"] == 1.0
     assert {"speculative", "pld", "hybrid", "hf", "hf_assisted", "speculative_k2"} <= set(greedy["summary"])

@@ -40,7 +40,10 @@ def test_smollm_fixture_uses_its_chat_template(smollm_path):
     prompt = build_prompt(cfg.target, cfg.lang, "Bonjour tout le monde.", tokenizer)
     assert "<|im_start|>user\nTranslate French to English: Bonjour tout le monde.<|im_end|>" in prompt
     assert prompt.endswith("<|im_start|>assistant\n")
-    assert greedy(smollm_path, prompt, max_new_tokens=8).strip()
+    # The assistant's turn answers the user's request (SmolLM2-135M's French is poor, but it tries); without
+    # the template it rambles about the single word "bonjour".
+    answer = greedy(smollm_path, prompt, max_new_tokens=24).strip().lower()
+    assert "bonjour tout le monde" in answer and "translates to" in answer and "world" in answer, answer
 
 
 def test_converted_folder_is_checksummed(smollm_path, tmp_path):

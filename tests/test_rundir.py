@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
+from omegaconf import OmegaConf
 
-from pipeline.config import compose_config
+from pipeline.config import REPO_ROOT, compose_config, config_hash
 from pipeline.rundir import MARKER, StageConflictError, StageInputError, stage_dir
 
 
@@ -17,10 +21,30 @@ def test_paths_are_deterministic_and_follow_the_contract(ci_cfg, runs_dir):
         "finetune": runs_dir / "smollm2-135m/tiny-ci/de-en/finetune",
         "eval": runs_dir / "smollm2-135m/tiny-ci/de-en/eval",
     }
+    hashes = {}
     for stage, path in expected.items():
-        first, second = stage_dir(ci_cfg, stage, check_inputs=False), stage_dir(ci_cfg, stage, check_inputs=False)
-        assert first.path == path
-        assert first.config_hash == second.config_hash
+        directory = stage_dir(ci_cfg, stage, check_inputs=False)
+        assert directory.path == path
+        hashes[stage] = directory.config_hash
+    # Every rank and Slurm job is another process, with another PYTHONHASHSEED: each computes the same hashes.
+    overrides = ["recipe=ci", f"paths.runs_dir={runs_dir}", f"paths.cache_dir={runs_dir}/cache"]
+    code = ("import json, sys; from pipeline.config import compose_config; from pipeline.rundir import stage_dir; "
+            "cfg = compose_config(json.loads(sys.argv[1])); stages = json.loads(sys.argv[2]); "
+            "print(json.dumps({s: stage_dir(cfg, s, check_inputs=False).config_hash for s in stages}))")
+    for seed in ("1", "2"):
+        child = subprocess.run([sys.executable, "-c", code, json.dumps(overrides), json.dumps(list(expected))],
+                               cwd=REPO_ROOT, env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True,
+                               text=True, check=True)
+        assert json.loads(child.stdout) == hashes, seed
+
+
+def test_config_hash_is_pinned():
+    """The hash of a fixed config: a change to how hashes are computed (key order, serialization, digest)
+    would silently orphan every existing run directory."""
+    cfg = OmegaConf.create({"train": {"lr": 0.001, "batch_size": 4, "name": "tiny"},
+                            "lang": {"src": "de", "pair": "de-en"}, "seed": 0})
+    upstream = {"pretrain": "0f0f0f0f0f0f0f0f", "distill": "1234567890abcdef"}
+    assert config_hash(cfg, ["train", "seed", "lang.pair"], upstream) == "da3196ef51913afd"
 
 
 def test_hash_follows_only_the_sections_a_stage_depends_on(runs_dir):

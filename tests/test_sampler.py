@@ -21,16 +21,17 @@ def chi2_critical(df: int, z: float = 3.719) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def assert_follows(samples: torch.Tensor, expected: torch.Tensor) -> None:
-    """``samples`` (N,) of category ids are distributed as ``expected`` (C,)."""
+def assert_follows(samples: torch.Tensor, expected: torch.Tensor, max_tv: float | None = 0.01) -> None:
+    """``samples`` (N,) of category ids are distributed as ``expected`` (C,). ``max_tv=None``: the chi-square
+    test alone (fewer samples than the TV bound needs: sampling noise alone gives TV ~ sqrt(C / N) / 2)."""
     counts = torch.bincount(samples, minlength=expected.numel()).double()
     n = counts.sum()
     assert counts[expected == 0].sum() == 0, "sampled a token of probability 0"
     support = expected > 0
     chi2 = float(((counts[support] - n * expected[support]) ** 2 / (n * expected[support])).sum())
     tv = float((counts / n - expected).abs().sum() / 2)
-    assert chi2 < chi2_critical(int(support.sum()) - 1), f"chi2 {chi2:.1f}"
-    assert tv < 0.01, f"total variation {tv:.4f}"
+    assert chi2 < chi2_critical(int(support.sum()) - 1), f"chi2 {chi2:.1f}, total variation {tv:.4f}"
+    assert max_tv is None or tv < max_tv, f"total variation {tv:.4f}"
 
 
 def random_dist(generator, shape, sparsity=0.0):

@@ -60,8 +60,10 @@ def test_death_during_startup_reports_the_log_line(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["ci", "local"])
-def test_client_speaks_the_target_prompt_format(vllm_server, recipe):
+def test_client_speaks_the_target_prompt_format(vllm_server, smollm_path, recipe):
     """Chat targets go through the chat API, base targets through completions with the newline stop."""
+    from pipeline.models.provision import load_tokenizer
+
     cfg = compose_config([f"recipe={recipe}"])
     cfg.target.name = "smollm2-135m"  # the shared server's model; only the prompt format differs
     client = TargetClient(vllm_server.endpoint, cfg.target, max_tokens=16, top_logprobs=3, timeout_s=60, max_retries=1)
@@ -76,11 +78,17 @@ def test_client_speaks_the_target_prompt_format(vllm_server, recipe):
 
     first, second = asyncio.run(ask())
     assert first == second  # T=0
-    assert first.finish_reason in ("stop", "length") and first.prompt_tokens > 5
+    # What the server was given, by its length in tokens: the chat template around the message, or the bare prompt.
+    tokenizer = load_tokenizer(smollm_path)
+    chat = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    lengths = {"ci": len(tokenizer(chat, add_special_tokens=False).input_ids),
+               "local": len(tokenizer(prompt).input_ids)}
+    assert lengths["ci"] > lengths["local"] + 10, lengths  # the two can be told apart
+    assert first.prompt_tokens == lengths[recipe], (lengths, first.prompt_tokens)
     assert 0 < len(first.top_logprobs) <= first.completion_tokens
     assert all(len(alternatives) <= 3 for alternatives in first.top_logprobs)
-    if first.finish_reason == "stop" and recipe == "local":
-        assert first.stop_reason == "\n" and "\n" not in first.text
+    if recipe == "local":
+        assert first.finish_reason == "stop" and first.stop_reason == "\n" and "\n" not in first.text, first
 
 
 @pytest.mark.slow
