@@ -110,6 +110,7 @@ class HubSourceConfig:
     dataset: Optional[str] = None  # e.g. wmt/wmt16
     subset: Optional[str] = None  # e.g. de-en
     split: str = "train"
+    heldout_split: str = "test"  # the held-out prompts' split (wmt19 has no test split: validation)
     file: Optional[str] = None  # for languages distributed outside the hub (JParaCrawl)
 
 

@@ -67,6 +67,6 @@ def test_file_sources_jsonl_and_tsv(tmp_path):
     jsonl.write_text(json.dumps({"src": "Guten Morgen, wie geht es dir?", "ref": "Good morning, how are you?"}) + "\n")
     tsv = tmp_path / "pairs.tsv"
     tsv.write_text("Bonjour tout le monde\tHello everyone\n\n")
-    assert _file_examples(jsonl) == [Example(text_id("Guten Morgen, wie geht es dir?"), "Guten Morgen, wie geht es dir?",
+    assert _file_examples(jsonl, "de") == [Example(text_id("Guten Morgen, wie geht es dir?"), "Guten Morgen, wie geht es dir?",
                                              "Good morning, how are you?")]
-    assert _file_examples(tsv)[0].ref == "Hello everyone"
+    assert _file_examples(tsv, "de")[0].ref == "Hello everyone"

@@ -20,7 +20,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from pipeline.config import SourceKind
+from pipeline.config import ConfigError, SourceKind
 from pipeline.data.sharegpt import iter_texts
 
 SEGMENTS_FILE = "sharegpt_segments.jsonl"
@@ -80,12 +80,13 @@ def offline_examples(cfg: DictConfig, language: str) -> list[Example]:
     return examples
 
 
-def _file_examples(path: Path) -> list[Example]:
+def _file_examples(path: Path, src_lang: str) -> list[Example]:
+    """JSONL {"src", "ref"}, TSV src<TAB>ref, or JParaCrawl's TSV: domain, domain, score, English, Japanese."""
     if not path.exists():
         raise FileNotFoundError(f"source file {path} does not exist (see data/README.md for how to get it)")
     examples = []
     with path.open() as handle:
-        for line in handle:
+        for number, line in enumerate(handle, 1):
             line = line.rstrip("\n")
             if not line.strip():
                 continue
@@ -93,7 +94,15 @@ def _file_examples(path: Path) -> list[Example]:
                 record = json.loads(line)
                 src, ref = record["src"], record.get("ref")
             else:
-                src, _, ref = line.partition("\t")
+                columns = line.split("\t")
+                if len(columns) == 5:  # JParaCrawl
+                    english, japanese = columns[3], columns[4]
+                    src, ref = (japanese, english) if src_lang == "ja" else (english, japanese)
+                elif len(columns) <= 2:
+                    src, ref = columns[0], columns[1] if len(columns) == 2 else None
+                else:
+                    raise ConfigError(f"{path}:{number}: {len(columns)} tab-separated columns; expected src<TAB>ref "
+                                     "or JParaCrawl's five (domain, domain, score, English, Japanese)")
             examples.append(Example(id=text_id(src), src=src, ref=ref or None))
     return examples
 
@@ -128,12 +137,12 @@ def load_sources(cfg: DictConfig) -> tuple[list[Example], list[Example]]:
     data = cfg.data
     if data.sources == SourceKind.hub and cfg.lang.hub.dataset:
         train = [ex for ex in _hub_examples(cfg, cfg.lang.hub.split, data.max_train_prompts) if within_length(ex, data)]
-        heldout = [ex for ex in _hub_examples(cfg, "test", data.heldout_max) if within_length(ex, data)]
+        heldout = [ex for ex in _hub_examples(cfg, cfg.lang.hub.heldout_split, data.heldout_max) if within_length(ex, data)]
         return train, heldout
     if data.sources == SourceKind.offline:
         examples = offline_examples(cfg, cfg.lang.src)
     else:
-        examples = _file_examples(Path(data.source_file or cfg.lang.hub.file))
+        examples = _file_examples(Path(data.source_file or cfg.lang.hub.file), cfg.lang.src)
     train, heldout = split_by_id([ex for ex in examples if within_length(ex, data)], data.heldout_fraction, data.heldout_max)
     if data.max_train_prompts is not None:
         train = train[: data.max_train_prompts]

@@ -233,8 +233,9 @@ class Collator:
     ids off the map dropped (-1, logprob -inf).
     """
 
-    def __init__(self, pad_id: int, vocab: VocabMap | None):
-        self.pad_id, self.vocab = pad_id, vocab
+    def __init__(self, pad_id: int | None, vocab: VocabMap | None):
+        # Llama-2's tokenizer has no pad token: padded positions are masked and never labels, so any id serves.
+        self.pad_id, self.vocab = 0 if pad_id is None else pad_id, vocab
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         length = max(len(e["input_ids"]) for e in examples)
