@@ -25,6 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
 RECIPES_DIR = REPO_ROOT / "recipes"
 DEFAULT_RECIPE = "local"
+DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")  # eval.device
 
 
 class ConfigError(ValueError):
@@ -405,7 +406,7 @@ def validate(cfg: DictConfig) -> None:
         if not (RECIPES_DIR / "launch" / f"{tc.launch}.yaml").exists():
             launches = sorted(p.stem for p in (RECIPES_DIR / "launch").glob("*.yaml"))
             problems.append(f"train.{name}.launch '{tc.launch}' unknown; valid: {', '.join(launches)}")
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.eval.device):
+    if not DEVICE_SPEC.fullmatch(cfg.eval.device):
         problems.append(f"eval.device={cfg.eval.device} is not a device; use auto, cpu, cuda or cuda:N")
     if cfg.eval.tie_tolerance < 0:
         problems.append("eval.tie_tolerance must be >= 0 (a top-2 logit gap)")

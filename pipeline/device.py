@@ -8,14 +8,11 @@ it is ``perf_counter`` alone.
 
 from __future__ import annotations
 
-import re
 import time
 
 import torch
 
-from pipeline.config import ConfigError
-
-DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
+from pipeline.config import DEVICE_SPEC, ConfigError
 
 
 def resolve_device(spec: str, key: str = "eval.device") -> torch.device:

@@ -61,7 +61,7 @@ class StageConflictError(RuntimeError):
     """The stage directory holds results of a different config."""
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -131,7 +131,7 @@ class StageDir:
 
     def finish(self, cfg: DictConfig, counts: dict[str, Any]) -> None:
         self._write_manifest(cfg, status="complete", counts=counts)
-        _write_atomic(self.marker, self.config_hash + "\n")
+        write_atomic(self.marker, self.config_hash + "\n")
 
     def _write_manifest(self, cfg: DictConfig, status: str, counts: dict[str, Any] | None = None) -> None:
         previous = json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else {}
@@ -149,7 +149,7 @@ class StageDir:
             "counts": counts or previous.get("counts", {}),
             "config": sections(cfg, STAGE_SECTIONS[self.stage]),
         }
-        _write_atomic(self.manifest_path, json.dumps(manifest, indent=2) + "\n")
+        write_atomic(self.manifest_path, json.dumps(manifest, indent=2) + "\n")
 
 
 def stage_path(cfg: DictConfig, stage: str) -> Path:

@@ -29,7 +29,6 @@ from pipeline.device import resolve_device
 from pipeline.evaluation import environment, eos_ids, first_divergence
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.prompts import build_prompt
-from pipeline.speculative import engine
 from pipeline.speculative.engine import CachedModel, PromptLookupDrafter, StopCondition, generate
 
 PAIR, NUM_PROMPTS, MAX_NEW_TOKENS, K = "de-en", 24, 64, 4
@@ -106,9 +105,10 @@ def divergence(model, ids: torch.Tensor, reference: list[int], spec: list[int], 
     """Where a speculative output first leaves the reference, and the target's top-2 gap there."""
     pos = first_divergence(reference, spec)
     prefix = torch.cat([ids, torch.tensor([reference[:pos]], dtype=ids.dtype, device=ids.device)], dim=1)
-    second = int(model(input_ids=prefix, use_cache=False, logits_to_keep=1).logits[0, -1].topk(2).indices[1])
+    best = model(input_ids=prefix, use_cache=False, logits_to_keep=1).logits[0, -1].float().topk(2)
+    second = int(best.indices[1])
     return {"position": pos, "answer_length": len(reference),
-            "gap_fresh_full_forward": round(engine.top2_gap(model, ids, reference[:pos]), 5),
+            "gap_fresh_full_forward": round(float(best.values[0] - best.values[1]), 5),
             "gap_incremental": round(float(gap_a[pos]), 5) if pos < len(reference) else None,
             "spec_token_is_fresh_2nd": pos < len(spec) and second == spec[pos]}
 

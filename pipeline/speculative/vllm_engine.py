@@ -42,6 +42,7 @@ from omegaconf import DictConfig
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.config import ConfigError
+from pipeline.device import resolve_device
 from pipeline.evaluation import (
     SUMMARY_KEYS,
     GreedyGate,
@@ -227,7 +228,7 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
         "K": ev.num_draft_tokens, "max_new_tokens": ev.max_new_tokens, "repetitions": ev.repetitions,
         "batch_size": 1, "results": results,
         "lossless": gate.summary(),
-        "environment": environment(torch.device("cuda" if torch.cuda.is_available() else "cpu")) | {"vllm": version},
+        "environment": environment(resolve_device("auto")) | {"vllm": version},
     }
     write_results(directory.path, metrics, tracker, cfg.lang.pair, {})
     write_jsonl(directory.path / "samples.jsonl", samples)

@@ -58,7 +58,7 @@ from pipeline.evaluation import (
 from pipeline.jsonl import AppendOnlyJsonl, read_jsonl
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
-from pipeline.rundir import StageInputError, make_command, stage_dir
+from pipeline.rundir import StageInputError, make_command, stage_dir, write_atomic
 from pipeline.speculative.engine import (
     CachedModel,
     Generation,
@@ -185,7 +185,7 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
                 progress["costs"] = step_costs(decoders.target, decoders.drafter.lm, first_ids, ks)
             progress["sessions"].append({"started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                          "host": socket.gethostname(), "device": str(device)})
-            write_json(path / PROGRESS, progress)
+            write_atomic(path / PROGRESS, json.dumps(progress, indent=2) + "\n")
             costs = step_costs_of(progress)
             print(f"eval: c = {costs['c']:.3f}, v(K={ev.num_draft_tokens}) = {costs['v'][ev.num_draft_tokens]:.2f}",
                   flush=True)
@@ -236,11 +236,9 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
                         gate.check({"lang": pair, "id": row["id"], "method": name}, reference,
                                    row["methods"][name]["token_ids"],
                                    lambda position: top2_gap(target_model, ids, reference[:position]))
-    for by_t in results.values():
-        for t, result in by_t.items():
-            result["summary"] = summarize(result["seeds"])
     for pair, by_t in results.items():
         for t, result in by_t.items():
+            result["summary"] = summarize(result["seeds"])
             print(f"eval {pair} {t}: " + ", ".join(f"{name} {s['speedup']['mean']:.2f}x"
                                                    for name, s in result["summary"].items()), flush=True)
 
@@ -298,12 +296,6 @@ def step_costs_of(progress: dict) -> dict:
     """The costs as step_costs returns them (progress.json's JSON keys v(K) by strings)."""
     costs = progress["costs"]
     return costs | {"v": {int(k): v for k, v in costs["v"].items()}}
-
-
-def write_json(path: Path, data: dict) -> None:
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(data, indent=2) + "\n")
-    partial.replace(path)
 
 
 def finetuned_drafter(cfg: DictConfig, pair: str) -> str:
