@@ -30,7 +30,7 @@ from pipeline.speculative import LosslessError
 from pipeline.speculative.metrics import mean_std
 
 SUMMARY_KEYS = ("speedup", "tokens_per_s", "alpha", "tau", "predicted_speedup")
-FULL_PRECISION = ("float32", "fp32")
+FULL_PRECISION = ("float32", "fp32", "float")  # "float": float32 to torch and to vLLM's --dtype
 
 
 def environment(device: torch.device) -> dict:

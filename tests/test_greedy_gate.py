@@ -70,5 +70,6 @@ def test_clear_margin_divergence_fails_in_one_line(tmp_path):
 
 def test_float32_gate_is_exact():
     assert tie_tolerance("float32", 0.5) == 0.0 and tie_tolerance("bfloat16", 0.5) == 0.5
+    assert tie_tolerance("float", 0.5) == 0.0 and tie_tolerance("auto", 0.5) == 0.5  # vLLM's names
     gate = gate_over({"pld": [4, 6, 1, 1]}, [2.0, 0.0625, 3.0, 3.0], tolerance=tie_tolerance("float32", 0.5))
     assert len(gate.mismatches) == 1 and not gate.ties
