@@ -26,6 +26,7 @@ CONF_DIR = REPO_ROOT / "conf"
 RECIPES_DIR = REPO_ROOT / "recipes"
 DEFAULT_RECIPE = "local"
 DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")  # eval.device
+RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
 
 class ConfigError(ValueError):
@@ -269,6 +270,7 @@ class PathsConfig:
 @dataclass
 class Config:
     recipe: str = MISSING
+    run: str = "${recipe}"  # the variant's name in the finetune and eval folders (pipeline/rundir.py)
     seed: int = 0
     force: bool = False
     target: TargetConfig = MISSING
@@ -361,6 +363,8 @@ def validate(cfg: DictConfig) -> None:
     except OmegaConfBaseException as exc:
         raise ConfigError(_one_line(exc)) from exc
     problems = []
+    if not RUN_NAME.fullmatch(cfg.run):
+        problems.append(f"run={cfg.run} is not a folder name; use letters, digits, '_', '-' and (not first) '.'")
     if cfg.recipe not in options("recipe"):
         problems.append(f"recipe field '{cfg.recipe}' does not name its file in recipes/")
     d = cfg.drafter

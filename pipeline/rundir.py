@@ -4,9 +4,13 @@ Every stage reads from and writes to a deterministic directory (no timestamps: e
 Slurm job computes the same path):
 
     runs/<target>/distill/<lang>/
-    runs/<target>/<drafter>/pretrain/
-    runs/<target>/<drafter>/<lang>/finetune/
-    runs/<target>/<drafter>/<lang>/eval/
+    runs/<target>/<drafter>/pretrain/<hash>/       content-addressed: one folder per pretraining config
+    runs/<target>/<drafter>/<run>/<lang>/finetune/
+    runs/<target>/<drafter>/<run>/<lang>/eval/
+
+``run`` names the variant (default: the recipe), so a P-F recipe and its F-only ablation, a KD variant
+or a sweep (``run=lr-1e-4 train.finetune.lr=1e-4``) never write into each other's folders. Pretraining is
+language independent and costly, so every run whose pretraining config is the same shares its folder.
 
 Each holds ``manifest.json`` (hash of the config sections the stage depends on and of its inputs'
 hashes, git revision, inputs, counts) and, once finished, the atomic completion marker ``COMPLETE``.
@@ -83,6 +87,8 @@ def make_command(cfg: DictConfig, stage: str) -> str:
         parts.append(f"LANG={cfg.lang.pair}")
     if cfg.recipe != "local":
         parts.append(f"RECIPE={cfg.recipe}")
+    if cfg.run != cfg.recipe:
+        parts.append(f"ARGS='run={cfg.run}'")
     return " ".join(parts)
 
 
@@ -152,13 +158,13 @@ class StageDir:
         write_atomic(self.manifest_path, json.dumps(manifest, indent=2) + "\n")
 
 
-def stage_path(cfg: DictConfig, stage: str) -> Path:
+def stage_path(cfg: DictConfig, stage: str, digest: str) -> Path:
     root = Path(cfg.paths.runs_dir) / cfg.target.name
     if stage == "distill":
         return root / "distill" / cfg.lang.pair
     if stage == "pretrain":
-        return root / cfg.drafter.name / "pretrain"
-    return root / cfg.drafter.name / cfg.lang.pair / stage
+        return root / cfg.drafter.name / "pretrain" / digest
+    return root / cfg.drafter.name / cfg.run / cfg.lang.pair / stage
 
 
 def input_stages(cfg: DictConfig, stage: str) -> list[str]:
@@ -188,7 +194,7 @@ def stage_dir(cfg: DictConfig, stage: str, check_inputs: bool = True) -> StageDi
                     f"run `{make_command(cfg, name)}` with force=true"
                 )
     digest = config_hash(cfg, hashed_keys(cfg, stage), {name: d.config_hash for name, d in inputs.items()})
-    return StageDir(stage=stage, path=stage_path(cfg, stage), config_hash=digest, inputs=inputs)
+    return StageDir(stage=stage, path=stage_path(cfg, stage, digest), config_hash=digest, inputs=inputs)
 
 
 def hashed_keys(cfg: DictConfig, stage: str) -> list[str]:

@@ -38,7 +38,7 @@ class Tracker:
 
 
 def pipeline_group(cfg: DictConfig) -> str:
-    return f"{cfg.recipe}/{cfg.target.name}/{cfg.drafter.name}"
+    return f"{cfg.run}/{cfg.target.name}/{cfg.drafter.name}"
 
 
 @contextlib.contextmanager

@@ -215,7 +215,7 @@ def test_eval_resumes_after_sigterm_and_kill_measuring_only_the_missing_prompts(
                                 stderr=subprocess.PIPE, text=True)
 
     first = start()
-    out = runs_dir / "smollm2-135m" / "tiny-ci" / "de-en" / "eval"
+    out = runs_dir / "smollm2-135m" / "tiny-ci" / "ci" / "de-en" / "eval"
     wait_for_rows(out / "samples.jsonl", 1, first)
     first.send_signal(signal.SIGTERM)
     _, err = first.communicate(timeout=300)

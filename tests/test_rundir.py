@@ -10,16 +10,17 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.config import REPO_ROOT, compose_config, config_hash
+from pipeline.config import REPO_ROOT, ConfigError, compose_config, config_hash
 from pipeline.rundir import MARKER, StageConflictError, StageInputError, stage_dir
 
 
 def test_paths_are_deterministic_and_follow_the_contract(ci_cfg, runs_dir):
+    pretrain_hash = stage_dir(ci_cfg, "pretrain", check_inputs=False).config_hash
     expected = {
         "distill": runs_dir / "smollm2-135m/distill/de-en",
-        "pretrain": runs_dir / "smollm2-135m/tiny-ci/pretrain",
-        "finetune": runs_dir / "smollm2-135m/tiny-ci/de-en/finetune",
-        "eval": runs_dir / "smollm2-135m/tiny-ci/de-en/eval",
+        "pretrain": runs_dir / f"smollm2-135m/tiny-ci/pretrain/{pretrain_hash}",
+        "finetune": runs_dir / "smollm2-135m/tiny-ci/ci/de-en/finetune",
+        "eval": runs_dir / "smollm2-135m/tiny-ci/ci/de-en/eval",
     }
     hashes = {}
     for stage, path in expected.items():
@@ -128,3 +129,22 @@ def test_training_hash_ignores_how_often_it_logs_checkpoints_and_how_many_proces
                    f"train.{stage}.grad_accum=2"):
         assert hashes(change)[stage] != reference[stage], change
         assert hashes(change)["eval"] != reference["eval"], change
+
+
+def test_variants_never_share_a_folder_and_share_pretraining_when_its_config_agrees(runs_dir):
+    base = ["recipe=ci", f"paths.runs_dir={runs_dir}"]
+    default, variant = compose_config(base), compose_config([*base, "run=kd", "train.finetune.loss=kd_forward_kl"])
+    for stage in ("finetune", "eval"):
+        assert stage_dir(default, stage, check_inputs=False).path != stage_dir(variant, stage, check_inputs=False).path
+    assert stage_dir(variant, "eval", check_inputs=False).path == runs_dir / "smollm2-135m/tiny-ci/kd/de-en/eval"
+    assert stage_dir(default, "pretrain").path == stage_dir(variant, "pretrain").path
+    longer = compose_config([*base, "train.pretrain.max_steps=7"])
+    assert stage_dir(longer, "pretrain").path != stage_dir(default, "pretrain").path
+    assert stage_dir(default, "distill").path == stage_dir(variant, "distill").path  # the target's answers are shared
+
+
+@pytest.mark.parametrize("name", ["a/b", "..", "with space", ""])
+def test_a_run_name_that_is_not_a_folder_name_fails_in_one_line(name):
+    with pytest.raises(ConfigError, match="is not a folder name") as error:
+        compose_config(["recipe=ci", f"run={name}"])
+    assert "\n" not in str(error.value)

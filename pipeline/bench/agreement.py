@@ -53,17 +53,19 @@ def main(out_dir: Path) -> dict:
             sequences.append((sequence, ids.shape[1]))
             target_probs.append(torch.softmax(target(input_ids=sequence).logits[0, ids.shape[1] - 1 : -1].float(), -1))
 
-    folders = sorted(Path(cfg.paths.runs_dir).glob(f"{cfg.target.name}/*/{PAIR}/finetune/drafter"))
-    scores = {folder.parents[2].name: per_token(*load_drafter(str(folder), target_path, device=device), sequences, target_probs)
-              for folder in folders}
-    reference = scores.get(cfg.drafter.name)  # the recipe's drafter: the others are paired against it
+    # runs/<target>/<drafter>/<run>/<pair>/finetune/drafter: every drafter and variant finetuned on the pair
+    folders = sorted(Path(cfg.paths.runs_dir).glob(f"{cfg.target.name}/*/*/{PAIR}/finetune/drafter"))
+    scores = {f"{folder.parents[3].name}/{folder.parents[2].name}": per_token(
+        *load_drafter(str(folder), target_path, device=device), sequences, target_probs) for folder in folders}
+    reference_name = f"{cfg.drafter.name}/{cfg.run}"
+    reference = scores.get(reference_name)  # the recipe's drafter: the others are paired against it
     drafters = {}
     for name, per_token_scores in scores.items():
         drafters[name] = {metric: round(float(values.mean()), 4) for metric, values in zip(METRICS, per_token_scores)}
-        if name != cfg.drafter.name and reference is not None:
+        if name != reference_name and reference is not None:
             for metric, ours, theirs in zip(METRICS, per_token_scores, reference):
                 diff = ours - theirs
-                drafters[name][f"{metric}_minus_{cfg.drafter.name}"] = {
+                drafters[name][f"{metric}_minus_{reference_name}"] = {
                     "mean": round(float(diff.mean()), 4), "standard_error": round(float(diff.std() / len(diff) ** 0.5), 4)}
     answer_tokens = sum(sequence.shape[1] - prompt_len for sequence, prompt_len in sequences)
     result = {"pair": PAIR, "prompts": len(sequences), "answer_tokens": answer_tokens, "drafters": drafters}
