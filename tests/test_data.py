@@ -7,6 +7,7 @@ import json
 import pytest
 
 from pipeline.data.sharegpt import iter_conversations
+from pipeline.config import compose_config
 from pipeline.data.sources import Example, _file_examples, split_by_id, text_id
 
 
@@ -67,6 +68,7 @@ def test_file_sources_jsonl_and_tsv(tmp_path):
     jsonl.write_text(json.dumps({"src": "Guten Morgen, wie geht es dir?", "ref": "Good morning, how are you?"}) + "\n")
     tsv = tmp_path / "pairs.tsv"
     tsv.write_text("Bonjour tout le monde\tHello everyone\n\n")
-    assert _file_examples(jsonl, "de") == [Example(text_id("Guten Morgen, wie geht es dir?"), "Guten Morgen, wie geht es dir?",
-                                             "Good morning, how are you?")]
-    assert _file_examples(tsv, "de")[0].ref == "Hello everyone"
+    hub = compose_config(["recipe=ci"]).lang.hub  # no columns configured: src<TAB>ref
+    assert list(_file_examples(jsonl, hub)) == [Example(text_id("Guten Morgen, wie geht es dir?"),
+                                                        "Guten Morgen, wie geht es dir?", "Good morning, how are you?")]
+    assert next(_file_examples(tsv, hub)).ref == "Hello everyone"

