@@ -80,9 +80,12 @@ class TargetConfig:
     completion_suffix: str = "\n{tgt_name}:"
     system_prompt: Optional[str] = None
     chat_template: Optional[str] = None  # overrides the tokenizer's (Vicuna ships none)
-    stop: list[str] = field(default_factory=lambda: ["\n"])
+    stop: Optional[list[str]] = None  # stop strings; None: a newline for completion prompts, none for chat
+    stop_tokens: list[str] = field(default_factory=list)  # special tokens that end an answer besides EOS
     add_bos_token: Optional[bool] = None  # force the converted tokenizer to add BOS (Gemma needs it)
     max_model_len: int = 2048
+    # dry runs: a tiny random-init model of this architecture, with the real tokenizer, replaces the weights
+    stand_in: bool = False
 
 
 @dataclass
@@ -112,8 +115,11 @@ class HubSourceConfig:
     dataset: Optional[str] = None  # e.g. wmt/wmt16
     subset: Optional[str] = None  # e.g. de-en
     split: str = "train"
-    heldout_split: str = "test"  # the held-out prompts' split (wmt19 has no test split: validation)
+    heldout_split: Optional[str] = None  # the held-out prompts' split; None: test, else validation (wmt19 zh-en)
     file: Optional[str] = None  # for languages distributed outside the hub (JParaCrawl)
+    # a TSV file's 0-based columns of the source and the reference (None: src<TAB>ref)
+    src_column: Optional[int] = None
+    ref_column: Optional[int] = None
 
 
 @dataclass
@@ -163,7 +169,10 @@ class ServerConfig:
     url: Optional[str] = None  # an external OpenAI-compatible endpoint; None: start vLLM here
     api_key: Optional[str] = None  # for an external endpoint; None: $OPENAI_API_KEY
     startup_timeout_s: float = 600.0
-    dtype: str = "auto"
+    dtype: Optional[str] = None  # None: target.dtype (vLLM's auto would serve float32 and float16 configs in half precision)
+    tensor_parallel: int = 1  # GPUs per replica (--tensor-parallel-size): a target larger than one GPU
+    # replicas (vLLM's --data-parallel-size, one endpoint balancing requests over them); auto: every visible GPU
+    data_parallel: Any = 1
     port: Optional[int] = None  # preferred port of the local server; None (or taken): a free one
     cpu_kvcache_gb: int = 2  # VLLM_CPU_KVCACHE_SPACE of the CPU build
     enforce_eager: bool = True  # no graph capture: right on CPU; GPU recipes set false for CUDA graphs
@@ -290,7 +299,7 @@ SCHEMAS = {cls.__name__: cls for cls in (Config, TargetConfig, DrafterConfig, La
                                          CorpusConfig, DistillConfig, ServerConfig, TrainGroupConfig, TrainConfig,
                                          FinetuneConfig, EvalConfig, LoggerConfig, PathsConfig)}
 
-GROUPS = ("target", "drafter", "lang", "data", "distill", "train", "eval", "logger", "paths")
+GROUPS = ("target", "drafter", "lang", "data", "distill", "train", "eval", "logger", "paths", "dry_run")
 
 
 def options(group: str) -> list[str]:
@@ -412,6 +421,11 @@ def validate(cfg: DictConfig) -> None:
             problems.append(f"train.{name}.launch '{tc.launch}' unknown; valid: {', '.join(launches)}")
     if not DEVICE_SPEC.fullmatch(cfg.eval.device):
         problems.append(f"eval.device={cfg.eval.device} is not a device; use auto, cpu, cuda or cuda:N")
+    server = cfg.distill.server
+    if server.tensor_parallel < 1:
+        problems.append("distill.server.tensor_parallel must be >= 1")
+    if server.data_parallel != "auto" and (not isinstance(server.data_parallel, int) or server.data_parallel < 1):
+        problems.append(f"distill.server.data_parallel must be a positive integer or auto, not {server.data_parallel}")
     if cfg.eval.tie_tolerance < 0:
         problems.append("eval.tie_tolerance must be >= 0 (a top-2 logit gap)")
     if cfg.eval.engine not in ("transformers", "vllm"):

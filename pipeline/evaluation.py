@@ -25,8 +25,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import CONF_DIR, ConfigError, LangConfig
 from pipeline.data.sources import load_sources
-from pipeline.prompts import build_prompt
+from pipeline.prompts import build_prompt, stop_strings, stop_token_ids
 from pipeline.speculative import LosslessError
+from pipeline.speculative.engine import StopCondition
 from pipeline.speculative.metrics import mean_std
 
 SUMMARY_KEYS = ("speedup", "tokens_per_s", "alpha", "tau", "predicted_speedup")
@@ -55,10 +56,12 @@ def lang_config(cfg: DictConfig, pair: str) -> DictConfig:
     return other
 
 
-def eos_ids(tokenizer, model) -> list[int]:
+def stop_condition(target: DictConfig, tokenizer, model) -> StopCondition:
+    """Where the target's answer ends: its stop strings, EOS (tokenizer's and generation config's) and stop tokens."""
     configured = model.generation_config.eos_token_id
     configured = configured if isinstance(configured, list) else [configured]
-    return sorted({i for i in [tokenizer.eos_token_id, *configured] if i is not None})
+    ends = {i for i in [tokenizer.eos_token_id, *configured, *stop_token_ids(target, tokenizer)] if i is not None}
+    return StopCondition(tokenizer, stop_strings(target), sorted(ends))
 
 
 def eval_pairs(cfg: DictConfig) -> list[str]:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from omegaconf import DictConfig
 
-from pipeline.config import PromptFormat
+from pipeline.config import ConfigError, PromptFormat
 
 Shot = tuple[str, str]  # a worked example shown before the request: (source text, its translation)
 
@@ -37,3 +37,33 @@ def chat_messages(target: DictConfig, lang: DictConfig, text: str, shots: Sequen
     for src, tgt in shots:
         messages += [{"role": "user", "content": instruction(target, lang, src)}, {"role": "assistant", "content": tgt}]
     return messages + [{"role": "user", "content": instruction(target, lang, text)}]
+
+
+def prompt_ids(prompt: str, tokenizer) -> list[int]:
+    """The rendered prompt's token ids: its text's tokens, after one BOS where the tokenizer adds one.
+
+    Llama-2's and Gemma's chat templates render the BOS themselves, Vicuna's and completion prompts do
+    not; tokenizing with special tokens would give the first two BOS twice."""
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    adds_bos = bos is not None and tokenizer("x")["input_ids"][:1] == [bos]
+    return [bos, *ids] if adds_bos and ids[:1] != [bos] else ids
+
+
+def stop_strings(target: DictConfig) -> list[str]:
+    """``target.stop``, else a newline for completion prompts (one line is one translation) and none for chat."""
+    if target.stop is not None:
+        return list(target.stop)
+    return ["\n"] if target.prompt_format == PromptFormat.completion else []
+
+
+def stop_token_ids(target: DictConfig, tokenizer) -> list[int]:
+    """The ids of ``target.stop_tokens``: special tokens that end an answer besides EOS (Gemma's <end_of_turn>)."""
+    ids = []
+    for token in target.stop_tokens:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id == tokenizer.unk_token_id:
+            raise ConfigError(f"target.stop_tokens: '{token}' is not a token of {target.name}'s tokenizer; "
+                              "use one of its special tokens, e.g. <end_of_turn>")
+        ids.append(token_id)
+    return ids

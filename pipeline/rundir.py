@@ -41,8 +41,9 @@ MANIFEST = "manifest.json"
 # The config sections each stage's output depends on (besides its inputs).
 STAGE_SECTIONS = {
     # Not the endpoint, concurrency or timeouts: a rerun through another server resumes the same records.
+    # Sampling is the eval's (top_p, top_k), so the drafter learns the distribution it is measured against.
     "distill": ["target", "lang", "data", "distill.temperatures", "distill.samples_per_prompt", "distill.max_tokens",
-                "distill.top_logprobs", "distill.seed", "distill.server.dtype"],
+                "distill.top_logprobs", "distill.seed", "distill.server.dtype", "eval.top_p", "eval.top_k"],
     # Only the data keys pretraining reads: new translation sources (back-translation) keep the pretrained drafter.
     "pretrain": ["target", "drafter", "data.pretrain_corpora", "data.pretrain_max_documents", "train.pretrain", "seed"],
     "finetune": ["target", "drafter", "lang", "train.finetune", "seed"],

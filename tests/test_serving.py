@@ -60,53 +60,67 @@ def test_death_during_startup_reports_the_log_line(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["ci", "local"])
-def test_client_speaks_the_target_prompt_format(vllm_server, smollm_path, recipe):
-    """Chat targets go through the chat API, base targets through completions with the newline stop."""
+def test_client_sends_the_prompt_ids_with_explicit_sampling(vllm_server, smollm_path, recipe):
+    """Chat and completion prompts alike reach the server as our token ids; it reports the same ids back,
+    the generated ids end with the stop (EOS here) and T=0 repeats."""
     from pipeline.models.provision import load_tokenizer
+    from pipeline.prompts import build_prompt, prompt_ids, stop_strings
 
     cfg = compose_config([f"recipe={recipe}"])
-    cfg.target.name = "smollm2-135m"  # the shared server's model; only the prompt format differs
-    client = TargetClient(vllm_server.endpoint, cfg.target, max_tokens=16, top_logprobs=3, timeout_s=60, max_retries=1)
-    prompt = "Translate German to English: Guten Morgen!\nEnglish:"
-    messages = [{"role": "user", "content": "Translate German to English: Guten Morgen!"}]
+    tokenizer = load_tokenizer(smollm_path)
+    ids = prompt_ids(build_prompt(cfg.target, cfg.lang, "Guten Morgen!", tokenizer), tokenizer)
+    client = TargetClient(vllm_server.endpoint, stop=stop_strings(cfg.target), stop_token_ids=[], max_tokens=16,
+                          top_p=0.5, top_k=5, top_logprobs=3, timeout_s=60, max_retries=1, model="smollm2-135m")
 
     async def ask():
         try:
-            return [await client.complete(prompt, messages, 0.0, seed=1) for _ in range(2)]
+            return [await client.complete(ids, 0.0, seed=1) for _ in range(2)]
         finally:
             await client.close()
 
     first, second = asyncio.run(ask())
     assert first == second  # T=0
-    # What the server was given, by its length in tokens: the chat template around the message, or the bare prompt.
-    tokenizer = load_tokenizer(smollm_path)
-    chat = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    lengths = {"ci": len(tokenizer(chat, add_special_tokens=False).input_ids),
-               "local": len(tokenizer(prompt).input_ids)}
-    assert lengths["ci"] > lengths["local"] + 10, lengths  # the two can be told apart
-    assert first.prompt_tokens == lengths[recipe], (lengths, first.prompt_tokens)
+    assert first.prompt_token_ids == ids and first.prompt_tokens == len(ids)
+    assert len(first.token_ids) == first.completion_tokens and tokenizer.decode(first.token_ids).startswith(first.text)
     assert 0 < len(first.top_logprobs) <= first.completion_tokens
     assert all(len(alternatives) <= 3 for alternatives in first.top_logprobs)
-    if recipe == "local":
+    if first.finish_reason == "stop" and first.stop_reason is None:
+        assert first.token_ids[-1] == tokenizer.eos_token_id
+    if recipe == "local":  # a completion prompt for this chat model: it goes on past the first line
         assert first.finish_reason == "stop" and first.stop_reason == "\n" and "\n" not in first.text, first
 
 
 @pytest.mark.slow
-def test_chat_api_sees_exactly_the_recorded_prompt(vllm_server, smollm_path):
-    """The record's prompt (build_prompt) is token for token what the server rendered from the chat messages."""
-    import openai
-
+def test_a_stop_token_ends_the_answer_and_finetuning_trains_on_it(vllm_server, smollm_path):
+    """target.stop_tokens (Gemma's <end_of_turn>) reach vLLM as stop_token_ids; the record's ids end with the
+    token, and a record without ids (another endpoint) gets it back from its stop_reason."""
     from pipeline.models.provision import load_tokenizer
-    from pipeline.prompts import build_prompt, chat_messages
+    from pipeline.prompts import build_prompt, prompt_ids
+    from pipeline.training.data import IGNORE, record_example
 
     cfg = compose_config(["recipe=ci"])
     tokenizer = load_tokenizer(smollm_path)
-    text = "Guten Morgen, wie geht es dir?"
-    client = openai.OpenAI(base_url=vllm_server.endpoint.url, api_key=vllm_server.endpoint.api_key)
-    response = client.chat.completions.create(
-        model="smollm2-135m", messages=chat_messages(cfg.target, cfg.lang, text), max_tokens=1,
-        extra_body={"return_token_ids": True},
-    )
-    seen = response.model_extra["prompt_token_ids"]
-    expected = tokenizer(build_prompt(cfg.target, cfg.lang, text, tokenizer), add_special_tokens=False)["input_ids"]
-    assert seen == expected
+    prompt = build_prompt(cfg.target, cfg.lang, "Guten Morgen!", tokenizer)
+    ids = prompt_ids(prompt, tokenizer)
+
+    def ask(stop_token_ids):
+        client = TargetClient(vllm_server.endpoint, stop=[], stop_token_ids=stop_token_ids, max_tokens=8, top_p=1.0,
+                              top_k=0, top_logprobs=0, timeout_s=60, max_retries=1, model="smollm2-135m")
+
+        async def one():
+            try:
+                return await client.complete(ids, 0.0, seed=1)
+            finally:
+                await client.close()
+        return asyncio.run(one())
+
+    free = ask([])
+    stop_id = free.token_ids[1]
+    stopped = ask([stop_id])
+    assert (stopped.finish_reason, stopped.stop_reason, stopped.token_ids) == ("stop", stop_id, free.token_ids[:2])
+    record = {"prompt": prompt, "response": stopped.text, "finish_reason": "stop", "stop_reason": stopped.stop_reason,
+              "prompt_token_ids": stopped.prompt_token_ids, "token_ids": stopped.token_ids}
+    served = record_example(record, tokenizer, 4096)
+    assert served["input_ids"] == ids + free.token_ids[:2] and served["labels"][len(ids) - 1] == IGNORE
+    without_ids = record_example({k: v for k, v in record.items() if not k.endswith("token_ids")}, tokenizer, 4096)
+    assert without_ids["input_ids"][-1] == stop_id and without_ids["input_ids"][: len(ids)] == ids

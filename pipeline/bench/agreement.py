@@ -17,10 +17,11 @@ import torch
 
 from pipeline.config import compose_config
 from pipeline.device import resolve_device
-from pipeline.evaluation import eos_ids, heldout_prompts
+from pipeline.evaluation import heldout_prompts, stop_condition
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
-from pipeline.speculative.engine import CachedModel, StopCondition, generate
+from pipeline.prompts import prompt_ids
+from pipeline.speculative.engine import CachedModel, generate
 
 PAIR = "de-en"
 METRICS = ("top1_agreement", "t1_acceptance")  # what per_token returns, in its order
@@ -43,11 +44,11 @@ def main(out_dir: Path) -> dict:
     target_path = model_path(cfg.target, cfg.paths.models_dir)
     device = resolve_device(cfg.eval.device)
     tokenizer, target = load_tokenizer(target_path), load_model(target_path, device=device)
-    stop = StopCondition(tokenizer, cfg.target.stop, eos_ids(tokenizer, target))
+    stop = stop_condition(cfg.target, tokenizer, target)
     sequences, target_probs = [], []
     with torch.inference_mode():
         for _, prompt in heldout_prompts(cfg, PAIR, tokenizer):
-            ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
+            ids = torch.tensor([prompt_ids(prompt, tokenizer)], device=device)
             answer = generate(CachedModel(target), ids, cfg.eval.max_new_tokens, stop).tokens
             sequence = torch.cat([ids, torch.tensor([answer], device=device)], dim=1)
             sequences.append((sequence, ids.shape[1]))

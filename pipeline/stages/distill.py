@@ -34,15 +34,14 @@ from filelock import FileLock, Timeout
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from pipeline.config import PromptFormat
 from pipeline.data import back_translation
 from pipeline.data.sources import Example, load_sources
 from pipeline.jsonl import AppendOnlyJsonl, read_jsonl
 from pipeline.models.provision import CHECKSUMS, load_tokenizer, model_path
-from pipeline.prompts import build_prompt, chat_messages
+from pipeline.prompts import build_prompt, prompt_ids, stop_strings, stop_token_ids
 from pipeline.rundir import StageConflictError, StageDir, make_command
 from pipeline.serving.client import TargetClient, failure_cause, is_transient
-from pipeline.serving.server import Endpoint, ServingError, VLLMServer, check_model_folder
+from pipeline.serving.server import Endpoint, ServingError, VLLMServer, check_model_folder, target_server
 from pipeline.tracking import Tracker
 
 RECORDS_DIR = "records"
@@ -94,7 +93,7 @@ class Job:
     key: Key
     example: Example
     prompt: str
-    messages: list[dict] | None
+    prompt_ids: list[int]
 
 
 @dataclass
@@ -124,7 +123,7 @@ async def distill(jobs: list[Job], client: TargetClient, out: AppendOnlyJsonl, f
             example_id, temperature, sample = job.key
             seed = request_seed(cfg.distill.seed, job.key)
             try:
-                completion = await client.complete(job.prompt, job.messages, temperature, seed)
+                completion = await client.complete(job.prompt_ids, temperature, seed)
             except Exception as exc:  # the client already retried what can be retried
                 cause = failure_cause(exc)
                 stats.failures[cause] += 1
@@ -141,6 +140,8 @@ async def distill(jobs: list[Job], client: TargetClient, out: AppendOnlyJsonl, f
             record = {
                 "id": example_id, "temperature": temperature, "sample": sample,
                 "prompt": job.prompt, "response": completion.text,
+                # the ids the target read and wrote: what finetuning trains on (pipeline/training/data.py)
+                "prompt_token_ids": completion.prompt_token_ids or job.prompt_ids, "token_ids": completion.token_ids,
                 "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
                 "prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.completion_tokens,
                 "seed": seed, "model": model, "revision": revision,
@@ -166,16 +167,9 @@ async def distill(jobs: list[Job], client: TargetClient, out: AppendOnlyJsonl, f
 
 def serve(cfg: DictConfig, folder: str, stage_path: Path):
     """The local vLLM server as a context manager, or nothing when an external endpoint is configured."""
-    server = cfg.distill.server
-    if server.url:
+    if cfg.distill.server.url:
         return nullcontext(None)
-    return VLLMServer(
-        folder, cfg.target.name, stage_path / SERVER_DIR, Path(cfg.paths.cache_dir).resolve() / "vllm",
-        dtype=server.dtype, max_model_len=cfg.target.max_model_len, port=server.port,
-        cpu_kvcache_gb=server.cpu_kvcache_gb, chat_template=cfg.target.chat_template,
-        enforce_eager=server.enforce_eager, extra_args=list(server.extra_args),
-        startup_timeout_s=server.startup_timeout_s,
-    )
+    return target_server(cfg, folder, stage_path / SERVER_DIR)
 
 
 def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
@@ -196,18 +190,17 @@ def _jobs(examples: list[Example], done: dict[Key, dict], cfg: DictConfig, lang:
     """Every key of the examples, and a job for each key not yet done."""
     samples = range(cfg.distill.samples_per_prompt)
     keys = [(ex.id, float(t), s) for ex in examples for t in temperatures for s in samples]
-    chat = cfg.target.prompt_format == PromptFormat.chat
     by_id = {ex.id: ex for ex in examples}
-    prompts: dict[str, str] = {}
+    prompts: dict[str, tuple[str, list[int]]] = {}
     jobs = []
     for key in keys:
         if key in done:
             continue
         example = by_id[key[0]]
         if example.id not in prompts:
-            prompts[example.id] = build_prompt(cfg.target, lang, example.src, tokenizer, shots)
-        messages = chat_messages(cfg.target, lang, example.src, shots) if chat else None
-        jobs.append(Job(key, example, prompts[example.id], messages))
+            text = build_prompt(cfg.target, lang, example.src, tokenizer, shots)
+            prompts[example.id] = text, prompt_ids(text, tokenizer)
+        jobs.append(Job(key, example, *prompts[example.id]))
     return keys, jobs
 
 
@@ -215,6 +208,7 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
     folder = model_path(cfg.target, cfg.paths.models_dir)
     check_model_folder(folder)
     tokenizer = load_tokenizer(folder)
+    stop_ids = stop_token_ids(cfg.target, tokenizer)
     train, heldout = load_sources(cfg)  # held-out prompts are never distilled
     records_dir, reverse_dir = path / RECORDS_DIR, path / BACK_TRANSLATIONS_DIR
     records_dir.mkdir(exist_ok=True)
@@ -258,9 +252,10 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
                     api_key=cfg.distill.server.api_key or os.environ.get("OPENAI_API_KEY", "EMPTY"))
 
                 def run_jobs(jobs: list[Job], out: AppendOnlyJsonl, progress: tqdm, metric: str) -> RunStats:
-                    client = TargetClient(endpoint, cfg.target, max_tokens=cfg.distill.max_tokens,
-                                          top_logprobs=cfg.distill.top_logprobs,
-                                          timeout_s=cfg.distill.request_timeout_s, max_retries=cfg.distill.max_retries)
+                    client = TargetClient(endpoint, stop=stop_strings(cfg.target), stop_token_ids=stop_ids,
+                                          max_tokens=cfg.distill.max_tokens, top_p=cfg.eval.top_p, top_k=cfg.eval.top_k,
+                                          top_logprobs=cfg.distill.top_logprobs, timeout_s=cfg.distill.request_timeout_s,
+                                          max_retries=cfg.distill.max_retries, model=cfg.target.name)
                     return asyncio.run(distill(jobs, client, out, failures, cfg, revision, server, progress, tracker,
                                                metric))
 

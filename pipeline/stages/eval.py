@@ -47,7 +47,7 @@ from pipeline.evaluation import (
     SUMMARY_KEYS,
     GreedyGate,
     environment,
-    eos_ids,
+    stop_condition,
     eval_pairs,
     heldout_prompts,
     lang_config,
@@ -58,6 +58,7 @@ from pipeline.evaluation import (
 from pipeline.jsonl import AppendOnlyJsonl, read_jsonl
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
+from pipeline.prompts import prompt_ids
 from pipeline.rundir import StageInputError, make_command, stage_dir, write_atomic
 from pipeline.speculative.engine import (
     CachedModel,
@@ -97,7 +98,7 @@ class Decoders:
         self.drafter = ModelDrafter(drafter_model, vocab_map, confidence)
         self.pld = PromptLookupDrafter(target_model.config.vocab_size)
         self.hybrid = LookupThenModelDrafter(self.pld, self.drafter)
-        self.stop = StopCondition(tokenizer, cfg.target.stop, eos_ids(tokenizer, target_model))
+        self.stop = stop_condition(cfg.target, tokenizer, target_model)
         self.hf_assisted = vocab_map is None  # transformers' assistant must share the target's vocabulary
         self.router = LanguageRouter(
             {src: ModelDrafter(model.eval(), vocab, confidence) for src, (model, vocab) in router_drafters.items()},
@@ -155,7 +156,7 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
         mixed = [p for group in zip(*(prompts[pair] for pair in ev.router_langs)) for p in group]
         prompts = {pair: prompts[pair] for pair in pairs} | {MIXED: mixed[: ev.num_prompts]}
         pairs.append(MIXED)
-    token_ids = {prompt: tokenizer(prompt, return_tensors="pt").input_ids.to(device)
+    token_ids = {prompt: torch.tensor([prompt_ids(prompt, tokenizer)], device=device)
                  for pair in pairs for _, prompt in prompts[pair]}
 
     # (temperature, pair, seed, its variants): greedy output does not depend on the seed

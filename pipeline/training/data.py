@@ -24,6 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from pipeline import prompts
 from pipeline.data.sharegpt import iter_conversations
 from pipeline.models.vocab import VocabMap
 
@@ -73,7 +74,9 @@ def pretrain_tokens(cfg: DictConfig, tokenizer, max_tokens: int | None) -> tuple
     per (tokenizer, corpora, limits) and shared by every run and rank. Stops after ``max_tokens``.
     """
     key = {
-        "tokenizer": [cfg.target.name, cfg.target.revision, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id],
+        # the vocabulary itself: a dry run's stand-in or a test's tokenizer may carry a real target's name
+        "tokenizer": hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest(),
+        "special": [tokenizer.bos_token_id, tokenizer.eos_token_id],
         "corpora": OmegaConf.to_container(cfg.data.pretrain_corpora, enum_to_str=True),
         "max_documents": cfg.data.pretrain_max_documents,
         "max_tokens": max_tokens,
@@ -168,22 +171,15 @@ class TokenStrings:
 def record_example(record: dict, tokenizer, max_length: int, strings: TokenStrings | None = None) -> dict:
     """The sequence the target saw and produced: prompt, response, and how it stopped.
 
-    Loss is taken on the response and its stop only. The target generated its response tokens after
-    the prompt's tokens, so the whole text is tokenized at once and split at the prompt's length;
-    where a token merges across that boundary the response is tokenized on its own. With ``strings``
-    the example also carries the target's top-k logprobs (for a KD loss), aligned with ``labels``.
+    Loss is taken on the response and its stop only. Records of a vLLM server hold the very ids the
+    target read (``prompts.prompt_ids``, one BOS) and wrote (its stop token or EOS included). Without
+    them (another endpoint) the text is tokenized again: prompt and response at once, split at the
+    prompt's length, or the response on its own where a token merges across that boundary; then the
+    stop string, stop token or EOS that ended the answer. With ``strings`` the example also carries the
+    target's top-k logprobs (for a KD loss), aligned with ``labels``.
     """
-    stop = ""
-    if record["finish_reason"] == "stop" and isinstance(record.get("stop_reason"), str):
-        stop = record["stop_reason"]
-    prompt_ids = tokenizer(record["prompt"])["input_ids"]
-    full_ids = tokenizer(record["prompt"] + record["response"] + stop)["input_ids"]
-    if full_ids[:len(prompt_ids)] == prompt_ids:
-        completion_ids = full_ids[len(prompt_ids):]
-    else:
-        completion_ids = tokenizer(record["response"] + stop, add_special_tokens=False)["input_ids"]
-    if record["finish_reason"] == "stop" and record.get("stop_reason") is None:
-        completion_ids = completion_ids + [tokenizer.eos_token_id]  # the target ended with EOS
+    prompt_ids = record.get("prompt_token_ids") or prompts.prompt_ids(record["prompt"], tokenizer)
+    completion_ids = record.get("token_ids") or response_ids(record, prompt_ids, tokenizer)
     input_ids = (prompt_ids + completion_ids)[-max_length:]  # over-long prompts lose their start
     labels = ([IGNORE] * len(prompt_ids) + completion_ids)[-max_length:]
     example = {"input_ids": input_ids, "labels": labels}
@@ -193,6 +189,22 @@ def record_example(record: dict, tokenizer, max_length: int, strings: TokenStrin
         example["teacher_ids"] = np.concatenate([none, ids])[-max_length:]
         example["teacher_logprobs"] = np.concatenate([np.full(none.shape, -np.inf, np.float32), logprobs])[-max_length:]
     return example
+
+
+def response_ids(record: dict, prompt_ids: list[int], tokenizer) -> list[int]:
+    """The response's ids recovered from its text (records without the server's ids)."""
+    stopped = record["finish_reason"] == "stop"
+    stop = record["stop_reason"] if stopped and isinstance(record.get("stop_reason"), str) else ""
+    full_ids = prompts.prompt_ids(record["prompt"] + record["response"] + stop, tokenizer)
+    if full_ids[:len(prompt_ids)] == prompt_ids:
+        ids = full_ids[len(prompt_ids):]
+    else:
+        ids = tokenizer(record["response"] + stop, add_special_tokens=False)["input_ids"]
+    if stopped and isinstance(record.get("stop_reason"), int):
+        return ids + [record["stop_reason"]]  # a stop token (target.stop_tokens)
+    if stopped and record.get("stop_reason") is None:
+        return ids + [tokenizer.eos_token_id]  # the target ended with EOS
+    return ids
 
 
 def finetune_examples(records: list[dict], tokenizer, max_length: int, strings: TokenStrings | None = None) -> list[dict]:
