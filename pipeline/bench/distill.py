@@ -19,7 +19,7 @@ from pipeline.config import compose_config
 from pipeline.data.sources import load_sources
 from pipeline.device import clock, resolve_device
 from pipeline.models.provision import load_model, load_tokenizer, model_path
-from pipeline.prompts import build_prompt
+from pipeline.prompts import build_prompt, stop_strings
 from pipeline.rundir import stage_dir
 from pipeline.stages import distill
 from pipeline.tracking import Tracker
@@ -55,7 +55,7 @@ def transformers_generate(cfg, prompts: list[str]) -> dict:
     tokenizer.padding_side = "left"
     device = resolve_device(cfg.eval.device)
     model = load_model(folder, cfg.target.dtype, device)
-    stop = list(cfg.target.stop)
+    stop = stop_strings(cfg.target)
     tokens = 0
     started = clock(device)
     ordered = sorted(prompts, key=len)
