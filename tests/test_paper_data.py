@@ -34,11 +34,12 @@ def test_jparacrawl_lines_give_the_japanese_source_and_english_reference(tmp_pat
 
 def test_a_source_file_is_read_only_as_far_as_the_prompts_need(tmp_path):
     """JParaCrawl has ~25M lines: with max_train_prompts + heldout_max usable lines read, the rest is never parsed
-    (a malformed line after them would fail the run if it were)."""
+    (a malformed line after them would fail the run if it were), and heldout_max of them are held out (the paper's
+    1% of so few lines would be none)."""
     path = tmp_path / "en-ja.bicleaner05.txt"
     path.write_text("\n".join(JPARACRAWL) + "\nnot a JParaCrawl line\n")
     cfg = compose_config(["recipe=ci", "lang=ja-en", "data.sources=file", f"data.source_file={path}",
-                          "data.max_train_prompts=1", "data.heldout_max=1", "data.heldout_fraction=0.5", "data.min_chars=5"])
+                          "data.max_train_prompts=1", "data.heldout_max=1", "data.heldout_fraction=0.01", "data.min_chars=5"])
     train, heldout = load_sources(cfg)
     assert len(train) == len(heldout) == 1 and train[0].id != heldout[0].id
 

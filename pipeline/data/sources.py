@@ -159,13 +159,16 @@ def load_sources(cfg: DictConfig) -> tuple[list[Example], list[Example]]:
         train = [ex for ex in _hub_examples(cfg, hub.split, data.max_train_prompts) if within_length(ex, data)]
         heldout = [ex for ex in _hub_examples(cfg, heldout_split(hub, splits), data.heldout_max) if within_length(ex, data)]
         return train, heldout
+    heldout_fraction = data.heldout_fraction
     if data.sources == SourceKind.offline:
         examples = [ex for ex in offline_examples(cfg, cfg.lang.src) if within_length(ex, data)]
     else:  # a file is read only as far as the prompts asked for (its first lines); the split is among those
         lines = (ex for ex in _file_examples(Path(data.source_file or hub.file), hub) if within_length(ex, data))
         wanted = None if data.max_train_prompts is None else data.max_train_prompts + data.heldout_max
         examples = list(itertools.islice(lines, wanted))
-    train, heldout = split_by_id(examples, data.heldout_fraction, data.heldout_max)
+        if len(examples) == wanted:  # cut at the limit, which counted heldout_max lines for the held-out prompts
+            heldout_fraction = 1.0
+    train, heldout = split_by_id(examples, heldout_fraction, data.heldout_max)
     if data.max_train_prompts is not None:
         train = train[: data.max_train_prompts]
     return train, heldout
