@@ -211,9 +211,14 @@ class HeldOut:
         self.scored, self.vocab = scored, vocab
         self.scores = score(target, self.input_ids, self.attention_mask, scored, vocab)
 
-    @torch.no_grad()
     def __call__(self, drafter) -> dict:
         """Teacher-forced T=1 acceptance Σ min(p, q) and T=0 argmax agreement, averaged over answer tokens."""
+        acceptance, agreement = self.per_token(drafter)
+        return {"heldout_t1_acceptance": float(acceptance.mean()), "heldout_t0_agreement": float(agreement.mean())}
+
+    @torch.no_grad()
+    def per_token(self, drafter) -> tuple[torch.Tensor, torch.Tensor]:
+        """Σ_v min(p_v, q_v) and whether the drafter's argmax is the target's, at every answer token."""
         was_training = drafter.training
         drafter.eval()
         ids = self.vocab.encode(self.input_ids) if self.vocab is not None else self.input_ids
@@ -224,8 +229,7 @@ class HeldOut:
         acceptance = torch.minimum(log_q.exp(), self.scores.log_p.exp()).sum(-1)
         top = log_q.argmax(-1)
         top = self.vocab.target_ids[top] if self.vocab is not None else top
-        return {"heldout_t1_acceptance": float(acceptance.mean()),
-                "heldout_t0_agreement": float((top == self.scores.argmax).float().mean())}
+        return acceptance, (top == self.scores.argmax).float()
 
 
 # ---------------------------------------------------------------- the phase
