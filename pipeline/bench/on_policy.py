@@ -10,7 +10,9 @@ threads, the held-out estimate's own time excluded), through the pipeline's trai
 
 After every ``ROUND_STEPS`` steps each arm records the held-out estimate: teacher-forced on the eval
 stage's de-en held-out prompts and the target's greedy answers to them, the expected T=1 acceptance
-Σ min(p, q) and the T=0 agreement of the argmaxes. Written: the learning curves (estimate vs CPU-minutes),
+Σ min(p, q) and the T=0 agreement of the argmaxes. The CPU cost of the exact scoring (the target's full
+output layer at the drafted positions) is measured beside the cost of its body and of the map's rows alone.
+Written: the learning curves (estimate vs CPU-minutes),
 supervised positions per CPU-second of each arm, and each arm's final gain over SFT paired per answer
 token (mean and standard error) to ``runs/bench/on_policy.json``, the curves to ``on_policy.png``.
 
@@ -43,7 +45,7 @@ from pipeline.training import loop, on_policy
 from pipeline.training.data import IGNORE, Collator, finetune_examples, read_records
 
 PAIR = "de-en"
-ROUND_STEPS = 10
+ROUND_STEPS = 5
 HELDOUT_TOKENS = 64  # the target's greedy answer to each held-out prompt, at most
 REDUCED = ["data.max_train_prompts=120", "data.back_translation=0", "distill.temperatures=[0.0,1.0]",
            "distill.max_tokens=96", "train.pretrain.token_budget=400000", "logger=none",
@@ -110,6 +112,27 @@ def run_arm(name, tc, sft_model, examples, collate, objective, held_out, budget_
     return curve, spent["positions"] / max(spent["train_s"], 1e-9), model
 
 
+@torch.no_grad()
+def scoring_cost(target, vocab, held_out) -> dict:
+    """CPU seconds of the target's scoring of the held-out answers: its body over every token, the exact
+    full output layer at the answer positions (what on_policy.score runs), and the map's rows alone (what
+    an estimate of the outside mass would need)."""
+    def cpu(fn) -> float:
+        start = time.process_time()
+        fn()
+        return time.process_time() - start
+
+    ids, mask = held_out.input_ids, held_out.attention_mask
+    body = lambda: target.base_model(input_ids=ids, attention_mask=mask,  # noqa: E731
+                                     position_ids=on_policy.position_ids(mask)).last_hidden_state
+    body_s = cpu(body)
+    full_s = cpu(lambda: on_policy.score(target, ids, mask, held_out.scored, vocab)) - body_s
+    hidden, rows = body()[held_out.scored], target.get_output_embeddings().weight[vocab.target_ids]
+    rows_s = cpu(lambda: [(chunk @ rows.T).logsumexp(-1) for chunk in hidden.split(on_policy.SCORE_CHUNK)])
+    return {"tokens": int(mask.sum()), "scored_positions": len(hidden), "body_cpu_s": round(body_s, 2),
+            "full_head_cpu_s": round(full_s, 2), "map_rows_head_cpu_s": round(rows_s, 2)}
+
+
 def paired_gain(held_out, model, reference) -> dict:
     """The model's per-token gain over the reference drafter on the held-out tokens: mean and standard error."""
     gains = {}
@@ -155,6 +178,7 @@ def main(out_dir: Path) -> dict:
         os.environ.get("ON_POLICY_HELDOUT", "32"))), tokenizer.pad_token_id)
     stops = on_policy.stop_token_ids(tokenizer, cfg.target.stop, eos_ids(tokenizer, target))
 
+    cost = scoring_cost(target, vocab, held_out)
     arms = {}
     curve, rate, sft_final = run_arm("sft", tc, sft_model, examples, Collator(tokenizer.pad_token_id, vocab),
                                      loop.supervised_objective(tc.loss), held_out, budget_s, cfg.seed)
@@ -171,7 +195,7 @@ def main(out_dir: Path) -> dict:
         "drafter_source": drafter_source, "examples": len(examples),
         "heldout_prompts": len(held_out.input_ids), "heldout_tokens": int(held_out.scored.sum()),
         "cpu_minutes_per_arm": budget_s / 60, "round_steps": ROUND_STEPS, "torch_threads": torch.get_num_threads(),
-        "on_policy": OmegaConf.to_container(tc.on_policy, enum_to_str=True), "sft_lr": tc.lr, "arms": arms,
+        "on_policy": OmegaConf.to_container(tc.on_policy, enum_to_str=True), "sft_lr": tc.lr, "scoring_cost": cost, "arms": arms,
     }
     result["plot"] = str(out_dir / "on_policy.png") if plot(arms, out_dir / "on_policy.png") else None
     (out_dir / "on_policy.json").write_text(json.dumps(result, indent=2) + "\n")
