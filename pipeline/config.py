@@ -61,6 +61,12 @@ class FinetuneMode(str, Enum):
     finetune_only = "finetune_only"  # F-only: random init
 
 
+class Divergence(str, Enum):
+    total_variation = "total_variation"  # 1 - the acceptance rate of a T=1 draft
+    forward_kl = "forward_kl"
+    jsd = "jsd"
+
+
 class Loss(str, Enum):
     ce = "ce"
     kd_forward_kl = "kd_forward_kl"
@@ -214,12 +220,29 @@ class TrainConfig:
 
 
 @dataclass
+class OnPolicyConfig:
+    """On-policy alignment after SFT (pipeline/training/on_policy.py): the drafter drafts, the target scores."""
+    enabled: bool = False
+    rounds: int = 4  # each: steps_per_round rollout -> score -> train steps, then a checkpoint and the held-out estimate
+    steps_per_round: int = 25
+    batch_size: int = 16  # rollouts per optimizer step
+    rollout_tokens: int = 16  # drafted tokens per rollout (fewer where the drafter ends its answer)
+    rollout_temperature: float = 1.0  # 0: greedy rollouts (the states a T=0 decode meets)
+    # Rollouts start after a uniformly drawn prefix of the target's distilled answer (else after the prompt)
+    from_answer_prefix: bool = True
+    divergence: Divergence = Divergence.total_variation
+    lr: float = 1.0e-4
+    heldout_prompts: int = 16  # distilled prompts neither SFT nor the alignment trains on: the per-round estimate
+
+
+@dataclass
 class FinetuneConfig(TrainConfig):
     mode: FinetuneMode = FinetuneMode.pretrain_finetune
     loss: Loss = Loss.ce
     # P-F with a reduced vocabulary: re-point the pretrained map's ids unused by this pair's data at the
     # data's frequent unmapped ids (pipeline/models/drafter.py specialize_vocab)
     specialize_vocab: bool = True
+    on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
 
 
 @dataclass
@@ -297,7 +320,7 @@ ConfigStore.instance().store(name="specdraft_schema", node=Config)
 SCHEMAS = {cls.__name__: cls for cls in (Config, TargetConfig, DrafterConfig, LangConfig, TranslationExample,
                                          HubSourceConfig, DataConfig,
                                          CorpusConfig, DistillConfig, ServerConfig, TrainGroupConfig, TrainConfig,
-                                         FinetuneConfig, EvalConfig, LoggerConfig, PathsConfig)}
+                                         FinetuneConfig, OnPolicyConfig, EvalConfig, LoggerConfig, PathsConfig)}
 
 GROUPS = ("target", "drafter", "lang", "data", "distill", "train", "eval", "logger", "paths", "dry_run")
 
@@ -419,6 +442,12 @@ def validate(cfg: DictConfig) -> None:
         if not (RECIPES_DIR / "launch" / f"{tc.launch}.yaml").exists():
             launches = sorted(p.stem for p in (RECIPES_DIR / "launch").glob("*.yaml"))
             problems.append(f"train.{name}.launch '{tc.launch}' unknown; valid: {', '.join(launches)}")
+    op = cfg.train.finetune.on_policy
+    if op.enabled and min(op.rounds, op.steps_per_round, op.batch_size, op.rollout_tokens, op.heldout_prompts) < 1:
+        problems.append("train.finetune.on_policy: rounds, steps_per_round, batch_size, rollout_tokens and "
+                        "heldout_prompts must be >= 1")
+    if op.rollout_temperature < 0:
+        problems.append("train.finetune.on_policy.rollout_temperature must be >= 0")
     if not DEVICE_SPEC.fullmatch(cfg.eval.device):
         problems.append(f"eval.device={cfg.eval.device} is not a device; use auto, cpu, cuda or cuda:N")
     server = cfg.distill.server

@@ -199,7 +199,8 @@ def stage_dir(cfg: DictConfig, stage: str, check_inputs: bool = True) -> StageDi
 
 
 def hashed_keys(cfg: DictConfig, stage: str) -> list[str]:
-    """The config keys a stage's hash covers: its sections, less their RESULT_NEUTRAL keys."""
+    """The config keys a stage's hash covers: its sections, less their RESULT_NEUTRAL keys, and less the
+    finetune's on-policy phase while it is off (finetunes made before it existed keep their hash)."""
     keys = []
     for key in STAGE_SECTIONS[stage]:
         neutral = RESULT_NEUTRAL.get(key)
@@ -207,4 +208,6 @@ def hashed_keys(cfg: DictConfig, stage: str) -> list[str]:
             keys.append(key)
         else:
             keys.extend(f"{key}.{name}" for name in OmegaConf.select(cfg, key) if name not in neutral)
+    if stage == "finetune" and not cfg.train.finetune.on_policy.enabled:
+        keys.remove("train.finetune.on_policy")
     return keys

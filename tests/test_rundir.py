@@ -148,3 +148,15 @@ def test_a_run_name_that_is_not_a_folder_name_fails_in_one_line(name):
     with pytest.raises(ConfigError, match="is not a folder name") as error:
         compose_config(["recipe=ci", f"run={name}"])
     assert "\n" not in str(error.value)
+
+
+def test_finetune_hash_covers_the_on_policy_phase_only_when_it_is_on(runs_dir):
+    """Finetunes made before the phase existed keep their hash while it is off."""
+    base = ["recipe=ci", f"paths.runs_dir={runs_dir}"]
+    finetune = stage_dir(compose_config(base), "finetune", check_inputs=False).config_hash
+    off = compose_config([*base, "train.finetune.on_policy.rounds=9"])
+    assert stage_dir(off, "finetune", check_inputs=False).config_hash == finetune
+    on = compose_config([*base, "train.finetune.on_policy.enabled=true"])
+    on_tv = stage_dir(on, "finetune", check_inputs=False).config_hash
+    on_kl = compose_config([*base, "train.finetune.on_policy.enabled=true", "train.finetune.on_policy.divergence=forward_kl"])
+    assert len({finetune, on_tv, stage_dir(on_kl, "finetune", check_inputs=False).config_hash}) == 3

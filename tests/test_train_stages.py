@@ -334,3 +334,23 @@ def test_user_error_inside_an_accelerate_worker_ends_the_stage_in_one_line(gemma
     reports = [json.loads(p.read_text()) for p in (path / "worker-errors").glob("rank-*.json")]
     assert reports and all(r["user_error"] and r["type"].endswith("TokenizerMismatchError") for r in reports)
     assert not (path / MARKER).exists()
+
+
+def test_finetune_with_on_policy_alignment_after_sft(distilled):
+    """The phase inside the stage on the ci recipe (full-vocabulary drafter): SFT, then rounds of drafter
+    rollouts scored by the SmolLM2 target, each checkpointed and logged with the held-out estimate."""
+    args = overrides(distilled, "train.finetune.log_every=1", "train.finetune.on_policy.enabled=true",
+                     "train.finetune.on_policy.rounds=2", "train.finetune.on_policy.steps_per_round=3",
+                     "train.finetune.on_policy.batch_size=4", "train.finetune.on_policy.heldout_prompts=2")
+    assert cli(["finetune", *args]) == 0
+    path = stage_dir(compose_config(args), "finetune").path
+    counts = json.loads((path / "manifest.json").read_text())["counts"]
+    assert counts["records"] == 12 and counts["steps"] == 20  # 2 of the 8 prompts held out of both phases
+    assert counts["on_policy"]["steps"] == 6 and 0 < counts["on_policy"]["heldout_after"]["heldout_t1_acceptance"] < 1
+    metrics = read_metrics(path)
+    assert sorted(metrics) == list(range(1, 27))  # the phase's steps follow SFT's
+    assert [s for s in metrics if "on_policy/heldout_t0_agreement" in metrics[s]] == [23, 26]
+    assert latest_checkpoint(path / "on_policy").name == "step-00000006"
+    assert (path / "drafter").exists()
+    assert stage_dir(compose_config(overrides(distilled)), "finetune").config_hash != stage_dir(
+        compose_config(args), "finetune").config_hash  # the phase is part of the result

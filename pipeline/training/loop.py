@@ -145,6 +145,21 @@ def loss_sum(logits: torch.Tensor, targets: dict[str, torch.Tensor], loss: Loss)
     return per_token.masked_fill(labels == IGNORE, 0.0).sum()
 
 
+def supervised_objective(loss: Loss) -> Callable:
+    """SFT's objective: ``loss`` on the batch's labelled tokens; the batch's sample seed is unused."""
+
+    def objective(model, batch: dict, sample_seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # Position t predicts token t + 1. The LM head (most of a small drafter's compute) runs only where
+        # some row has a label: finetuning skips most prompt positions.
+        targets = {k: shift(batch[k], nothing) for k, nothing in NOTHING.items() if k in batch}
+        keep = (targets["labels"] != IGNORE).any(dim=0).nonzero().squeeze(1)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=keep).logits
+        targets = {k: v[:, keep] for k, v in targets.items()}
+        return loss_sum(logits, targets, loss), (targets["labels"] != IGNORE).sum(), batch["attention_mask"].sum()
+
+    return objective
+
+
 def train(
     tc: DictConfig,
     model: torch.nn.Module,
@@ -153,9 +168,15 @@ def train(
     out_dir: Path,
     log: Callable[[dict, int], None],
     seed: int,
+    objective: Callable | None = None,
+    evaluate: Callable[[torch.nn.Module], dict] | None = None,
 ) -> TrainResult:
+    """Train ``model`` on ``examples``. ``objective(model, batch, sample_seed)`` returns (loss summed over the
+    supervised positions, their count, input tokens); default: ``tc.loss`` on the labels. ``sample_seed``
+    is fixed by (seed, step, micro-batch, rank), so an objective that samples resumes reproducibly.
+    ``evaluate(model)``, if given, runs at every checkpoint step and its metrics join that step's log line."""
     accelerator = Accelerator(mixed_precision=tc.mixed_precision, gradient_accumulation_steps=tc.grad_accum)
-    loss = Loss(tc.get("loss", Loss.ce))  # pretraining has no KD option
+    objective = objective or supervised_objective(Loss(tc.get("loss", Loss.ce)))  # pretraining has no KD option
     world = accelerator.num_processes
     if tc.batch_size % (tc.grad_accum * world):
         raise ConfigError(
@@ -211,19 +232,11 @@ def train(
     with preemption_signals() as received:
         while step < total_steps:
             grad_norm = None
-            for _ in range(tc.grad_accum):
+            for micro in range(tc.grad_accum):
                 batch = {k: v.to(accelerator.device) for k, v in next(data).items()}
                 with accelerator.accumulate(model):
-                    # Position t predicts token t + 1. The LM head (most of a small drafter's compute) runs
-                    # only where some row has a label: finetuning skips most prompt positions.
-                    targets = {k: shift(batch[k], nothing) for k, nothing in NOTHING.items() if k in batch}
-                    keep = (targets["labels"] != IGNORE).any(dim=0).nonzero().squeeze(1)
-                    logits = model(
-                        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=keep
-                    ).logits
-                    targets = {k: v[:, keep] for k, v in targets.items()}
-                    loss_total = loss_sum(logits, targets, loss)
-                    label_tokens = (targets["labels"] != IGNORE).sum()
+                    sample_seed = ((seed * 1_000_003 + step) * tc.grad_accum + micro) * world + accelerator.process_index
+                    loss_total, label_tokens, inputs = objective(model, batch, sample_seed)
                     micro_tokens = accelerator.reduce(label_tokens, "sum").clamp(min=1)
                     # DDP averages gradients over processes: scale so the result is the global token mean.
                     accelerator.backward(loss_total * world / micro_tokens)
@@ -231,8 +244,7 @@ def train(
                         grad_norm = accelerator.clip_grad_norm_(model.parameters(), tc.grad_clip)
                     optimizer.step()  # a no-op until the last micro-batch (accelerate's accumulate)
                     optimizer.zero_grad(set_to_none=True)
-                inputs = batch["attention_mask"].sum().double()
-                window += torch.stack([loss_total.detach().double(), label_tokens.double(), inputs])
+                window += torch.stack([loss_total.detach().double(), label_tokens.double(), inputs.double()])
                 local_inputs += inputs
             scheduler.step()
             step += 1
@@ -242,7 +254,7 @@ def train(
             checkpoint_now = stop or step % tc.save_every == 0 or step == total_steps
             if checkpoint_now or step % tc.log_every == 0:
                 tokens_seen = tokens_before + int(accelerator.reduce(local_inputs, "sum").item())
-            if step % tc.log_every == 0 or step == total_steps or stop:
+            if step % tc.log_every == 0 or checkpoint_now:
                 loss_window, labelled, inputs = accelerator.reduce(window, "sum").tolist()
                 window.zero_()
                 window_tokens += int(inputs)
@@ -256,6 +268,8 @@ def train(
                 }
                 if grad_norm is not None:
                     metrics["grad_norm"] = float(grad_norm)
+                if evaluate is not None and checkpoint_now:
+                    metrics |= evaluate(accelerator.unwrap_model(model))
                 window_start, window_tokens = now, 0
                 bar.set_postfix(loss=f"{last_loss:.3f}")
                 if accelerator.is_main_process:
@@ -277,10 +291,13 @@ def train(
 
 def train_drafter(
     tc: DictConfig, model, vocab: VocabMap | None, examples: list, tokenizer, target_path: str, out_dir: Path,
-    log: Callable[[dict, int], None], seed: int,
+    log: Callable[[dict, int], None], seed: int, then: Callable[[TrainResult], TrainResult] | None = None,
 ) -> dict:
-    """Train, then write ``out_dir/drafter`` (contract 2); returns the counts for the manifest."""
+    """Train, then write ``out_dir/drafter`` (contract 2); returns the counts for the manifest. ``then``, if
+    given, is a further phase that continues from the trained drafter (finetune's on-policy alignment)."""
     result = train(tc, model, examples, Collator(tokenizer.pad_token_id, vocab), out_dir, log, seed)
+    if then is not None:
+        result = then(result)
     state_dict = result.accelerator.get_state_dict(result.prepared)  # on every rank: DeepSpeed gathers the shards
     if result.accelerator.state.deepspeed_plugin is not None and result.model.config.tie_word_embeddings:
         for tied in result.model.all_tied_weights_keys:  # gathered as copies: saved twice unless dropped

@@ -1,0 +1,279 @@
+"""On-policy alignment of the drafter after SFT (DistillSpec, Zhou et al. 2023): the drafter drafts, the
+target scores, the drafter learns where its own proposals meet the target.
+
+Each optimizer step takes ``batch_size`` finetune examples (prompt + the target's distilled answer), cuts
+each after its prompt and, with ``from_answer_prefix``, a uniformly drawn prefix of the answer (the states
+a speculative decode meets are the target's own text), and lets the drafter sample ``rollout_tokens``
+tokens from there (ending at its first stop token). The target reads context + rollout once (teacher
+forcing) and gives its distribution p at every drafted position; the loss is a divergence of the drafter's
+q from p there, summed over drafted positions:
+
+- ``total_variation``: 0.5 Σ_v |p_v - q_v| = 1 - Σ_v min(p_v, q_v), one minus the acceptance probability
+  of a T=1 draft at that position;
+- ``forward_kl``: Σ_{v in map} p_v (log p_v - log q_v). The full KL(p || q) is infinite where the target
+  puts mass outside the drafter's vocabulary (q is 0 there); that term does not depend on q and is dropped;
+- ``jsd``: the Jensen-Shannon divergence, finite everywhere (the outside mass adds 0.5 p_out log 2).
+
+Reduced vocabularies are handled exactly: q lives on the map's ids (its ``unk`` row is never proposed),
+and p comes from the target's full output layer at the drafted positions only (the body reads every
+position anyway), so the mass outside the map, p_out = 1 - Σ_{v in map} p_v, is exact, not estimated.
+The drafted positions are a fraction of the tokens the body reads (prompt and answer prefix are context),
+so the full head costs what ``make bench BENCH=on_policy`` measures as scored positions per CPU-second.
+
+Steps run in ``pipeline.training.loop`` (checkpoints every round, resume, preemption, logging); every
+rollout is sampled from a seed fixed by (seed, step), so an interrupted run resumes to the same weights.
+After each round the held-out estimate is logged: teacher-forced on the held-out prompts' greedy (T=0)
+distilled answers, the expected T=1 acceptance Σ_v min(p_v, q_v) and the T=0 agreement of the drafter's
+argmax with the target's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.config import ConfigError, Divergence
+from pipeline.models.vocab import VocabMap
+from pipeline.training import loop
+from pipeline.training.data import IGNORE, Collator
+
+SCORE_CHUNK = 64  # drafted positions per pass of the target's full output layer: (64, V) float32 logits at a time
+
+
+# ---------------------------------------------------------------- the divergences, exact on a reduced vocabulary
+
+
+def vocab_on(vocab: VocabMap | None, device: torch.device) -> VocabMap | None:
+    """A copy of the map on ``device`` (the caller's stays where its collator uses it)."""
+    return VocabMap(vocab.target_ids, vocab.target_vocab_size).to(device) if vocab is not None else None
+
+
+def drafter_log_probs(logits: torch.Tensor, vocab: VocabMap | None) -> torch.Tensor:
+    """The drafter's log q over what it can propose: a reduced vocabulary's ``unk`` row is never proposed."""
+    if vocab is not None:
+        logits = logits[..., : vocab.unk_id]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def divergence(log_q: torch.Tensor, log_p: torch.Tensor, kind: Divergence) -> torch.Tensor:
+    """Per position (..., N) -> (...): D(p, q) over the target's whole vocabulary, where ``log_p`` is the target's
+    log-probability of the drafter's N ids (normalised over ALL target ids) and q is 0 off them."""
+    p, q = log_p.exp(), log_q.exp()
+    outside = (1 - p.sum(-1)).clamp(min=0)  # the target's mass the drafter cannot take
+    if kind == Divergence.total_variation:
+        return 0.5 * ((p - q).abs().sum(-1) + outside)
+    if kind == Divergence.forward_kl:
+        return (torch.special.xlogy(p, p) - p * log_q).sum(-1)
+    log_m = torch.logaddexp(log_p, log_q) - math.log(2)
+    inside = torch.special.xlogy(p, p) - p * log_m + q * (log_q - log_m)
+    return 0.5 * (inside.sum(-1) + outside * math.log(2))
+
+
+# ---------------------------------------------------------------- the target's scores
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions of a left-padded batch: each row counts from its first real token."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@dataclass
+class TargetScores:
+    log_p: torch.Tensor  # (n, N) the target's log-probabilities of the drafter's ids at the n scored positions
+    argmax: torch.Tensor  # (n,) the target's own top id (any of its vocabulary)
+
+
+@torch.no_grad()
+def score(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, scored: torch.Tensor,
+          vocab: VocabMap | None) -> TargetScores:
+    """The target's distribution at the ``scored`` positions (a (B, L) mask; position t predicts token t + 1)
+    of a left-padded batch of target ids, exactly: its full output layer, at those positions only."""
+    hidden = target.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids(attention_mask)).last_hidden_state[scored]
+    head, cap = target.get_output_embeddings(), getattr(target.config, "final_logit_softcapping", None)
+    log_p, argmax = [], []
+    for chunk in hidden.split(SCORE_CHUNK):
+        logits = head(chunk).float()
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        logits = logits - logits.logsumexp(-1, keepdim=True)
+        log_p.append(logits[:, vocab.target_ids] if vocab is not None else logits)
+        argmax.append(logits.argmax(-1))
+    return TargetScores(torch.cat(log_p), torch.cat(argmax))
+
+
+def drafter_logits(model, drafter_ids: torch.Tensor, attention_mask: torch.Tensor, first: int) -> torch.Tensor:
+    """The drafter's logits at positions ``first - 1`` .. ``L - 2`` (those predicting tokens ``first`` ..)."""
+    keep = torch.arange(first - 1, drafter_ids.shape[1] - 1, device=drafter_ids.device)
+    return model(input_ids=drafter_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                 logits_to_keep=keep).logits
+
+
+# ---------------------------------------------------------------- rollouts
+
+
+def stop_token_ids(tokenizer, stop_strings, eos_ids: list[int]) -> list[int]:
+    """Target ids that end an answer: EOS, and every token whose text holds a stop string."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    return sorted(set(eos_ids) | {i for i, text in enumerate(texts) if any(s in text for s in stop_strings)})
+
+
+def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    length = max(len(r) for r in rows)
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, length - len(row):], mask[i, length - len(row):] = row, 1
+    return ids, mask
+
+
+class OnPolicyObjective:
+    """``loop.train``'s objective for the alignment phase: rollout -> score -> divergence, per micro-batch."""
+
+    def __init__(self, op: DictConfig, target, vocab: VocabMap | None, stop_ids: list[int], pad_id: int, max_length: int):
+        device = next(target.parameters()).device
+        self.op, self.target, self.pad_id = op, target, pad_id
+        self.vocab = vocab_on(vocab, device)
+        self.max_context = max_length - op.rollout_tokens
+        self.stop_ids = torch.tensor(stop_ids, device=device)  # target ids that end an answer (EOS, stop strings)
+        drafter_stops = self.vocab.encode(self.stop_ids) if vocab is not None else self.stop_ids
+        self.drafter_stop_ids = drafter_stops[drafter_stops != getattr(self.vocab, "unk_id", -1)].tolist()
+
+    def contexts(self, batch: dict, generator: torch.Generator) -> list[torch.Tensor]:
+        """Each example cut after its prompt (and a uniformly drawn prefix of its answer), in target ids."""
+        rows = []
+        for ids, labels, mask in zip(batch["input_ids"], batch["labels"], batch["attention_mask"]):
+            answer_start = int((labels == IGNORE).logical_and(mask.bool()).cumprod(0).sum())  # the prompt's length
+            answer_len = max(int(mask.sum()) - answer_start, 1)
+            prefix = int(torch.randint(answer_len, (1,), generator=generator)) if self.op.from_answer_prefix else 0
+            rows.append(ids[: answer_start + prefix][-self.max_context:].cpu())
+        return rows
+
+    @torch.no_grad()
+    def rollout(self, drafter, context: torch.Tensor, mask: torch.Tensor, sample_seed: int) -> torch.Tensor:
+        """``rollout_tokens`` drafter ids per row, sampled at ``rollout_temperature`` (in drafter ids)."""
+        device = context.device
+        sampling = ({"do_sample": True, "temperature": self.op.rollout_temperature, "top_k": 0, "top_p": 1.0}
+                    if self.op.rollout_temperature > 0 else {"do_sample": False})
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(sample_seed)
+            out = drafter.generate(
+                input_ids=context, attention_mask=mask, max_new_tokens=self.op.rollout_tokens,
+                eos_token_id=self.drafter_stop_ids, pad_token_id=self.pad_drafter_id,
+                suppress_tokens=[self.vocab.unk_id] if self.vocab is not None else None, **sampling)
+        return out[:, context.shape[1]:]
+
+    @property
+    def pad_drafter_id(self) -> int:
+        return int(self.vocab.encode(torch.tensor(self.pad_id))) if self.vocab is not None else self.pad_id
+
+    def __call__(self, model, batch: dict, sample_seed: int):
+        device = batch["input_ids"].device
+        generator = torch.Generator().manual_seed(sample_seed)
+        context, context_mask = (t.to(device) for t in left_pad(self.contexts(batch, generator), self.pad_id))
+        encode = self.vocab.encode if self.vocab is not None else (lambda ids: ids)
+        drafted = self.rollout(getattr(model, "module", model), encode(context), context_mask, sample_seed)
+        drafted_target = self.vocab.target_ids[drafted] if self.vocab is not None else drafted
+        # A row's rollout ends with its first stop token; generate pads the rest.
+        stops = torch.isin(drafted_target, self.stop_ids).long()
+        drafted_mask = (stops.cumsum(-1) - stops == 0).long()
+        input_ids = torch.cat([context, drafted_target], dim=1)
+        attention_mask = torch.cat([context_mask, drafted_mask], dim=1)
+        first = context.shape[1]
+        scored = torch.zeros_like(attention_mask, dtype=torch.bool)
+        scored[:, first - 1: -1] = drafted_mask.bool()
+        scores = score(self.target, input_ids, attention_mask, scored, self.vocab)
+        logits = drafter_logits(model, encode(input_ids), attention_mask, first)[drafted_mask.bool()]
+        per_position = divergence(drafter_log_probs(logits, self.vocab), scores.log_p, Divergence(self.op.divergence))
+        return per_position.sum(), drafted_mask.sum(), attention_mask.sum()
+
+
+# ---------------------------------------------------------------- the held-out estimate
+
+
+class HeldOut:
+    """Held-out sequences (prompt + the target's greedy answer) with the target's scores, computed once."""
+
+    def __init__(self, target, vocab: VocabMap | None, examples: list[dict], pad_id: int):
+        rows = [torch.as_tensor(e["input_ids"]) for e in examples]
+        labels = [torch.as_tensor(e["labels"]) for e in examples]
+        device = next(target.parameters()).device
+        vocab = vocab_on(vocab, device)
+        self.input_ids, self.attention_mask = (t.to(device) for t in left_pad(rows, pad_id))
+        scored = torch.zeros_like(self.attention_mask, dtype=torch.bool)
+        for i, row_labels in enumerate(labels):  # position t predicts label t + 1
+            scored[i, scored.shape[1] - len(row_labels): -1] = (row_labels[1:] != IGNORE).to(device)
+        self.scored, self.vocab = scored, vocab
+        self.scores = score(target, self.input_ids, self.attention_mask, scored, vocab)
+
+    def __call__(self, drafter) -> dict:
+        """Teacher-forced T=1 acceptance Σ min(p, q) and T=0 argmax agreement, averaged over answer tokens."""
+        acceptance, agreement = self.per_token(drafter)
+        return {"heldout_t1_acceptance": float(acceptance.mean()), "heldout_t0_agreement": float(agreement.mean())}
+
+    @torch.no_grad()
+    def per_token(self, drafter) -> tuple[torch.Tensor, torch.Tensor]:
+        """Σ_v min(p_v, q_v) and whether the drafter's argmax is the target's, at every answer token."""
+        was_training = drafter.training
+        drafter.eval()
+        ids = self.vocab.encode(self.input_ids) if self.vocab is not None else self.input_ids
+        logits = drafter(input_ids=ids, attention_mask=self.attention_mask,
+                         position_ids=position_ids(self.attention_mask)).logits[self.scored]
+        drafter.train(was_training)
+        log_q = drafter_log_probs(logits, self.vocab)
+        acceptance = torch.minimum(log_q.exp(), self.scores.log_p.exp()).sum(-1)
+        top = log_q.argmax(-1)
+        top = self.vocab.target_ids[top] if self.vocab is not None else top
+        return acceptance, (top == self.scores.argmax).float()
+
+
+# ---------------------------------------------------------------- the phase
+
+
+def split_heldout(records: list[dict], count: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(training records, held-out records): ``count`` prompts drawn by ``seed`` are held out of both SFT and
+    the alignment; of each, its greedy answer (its lowest-temperature record) is kept for the estimate."""
+    prompt_ids = sorted({r["id"] for r in records})
+    if count >= len(prompt_ids):
+        raise ConfigError(f"train.finetune.on_policy.heldout_prompts={count} leaves none of the {len(prompt_ids)} "
+                          "distilled prompts to train on; lower it")
+    order = torch.randperm(len(prompt_ids), generator=torch.Generator().manual_seed(seed))[:count]
+    held = {prompt_ids[i] for i in order.tolist()}
+    greedy = {}
+    for r in records:
+        if r["id"] in held and (r["id"] not in greedy or r["temperature"] < greedy[r["id"]]["temperature"]):
+            greedy[r["id"]] = r
+    return [r for r in records if r["id"] not in held], [greedy[i] for i in sorted(greedy)]
+
+
+def phase_config(tc: DictConfig) -> DictConfig:
+    """The loop's settings for the alignment phase: its own batch, steps and learning rate; a checkpoint and
+    the held-out estimate every round; the finetune's precision, clipping and resume policy."""
+    op = tc.on_policy
+    return OmegaConf.merge(tc, {
+        "lr": op.lr, "batch_size": op.batch_size, "grad_accum": 1, "max_steps": op.rounds * op.steps_per_round,
+        "token_budget": None, "warmup_ratio": 0.0, "save_every": op.steps_per_round,
+        "log_every": min(tc.log_every, op.steps_per_round)})
+
+
+def align(tc: DictConfig, model, vocab: VocabMap | None, target, examples: list[dict], heldout: list[dict],
+          stop_ids: list[int], pad_id: int | None, out_dir: Path, log: Callable[[dict, int], None], seed: int,
+          first_step: int) -> loop.TrainResult:
+    """The alignment phase from ``model`` (the SFT drafter): ``tc.on_policy.rounds`` rounds, checkpointed in
+    ``out_dir``, logged as ``on_policy/<metric>`` at steps after ``first_step`` (SFT's last)."""
+    pad_id = 0 if pad_id is None else pad_id  # Llama-2 has no pad token: padding is masked, any id serves
+    held_out = HeldOut(target, vocab, heldout, pad_id)
+    before = held_out(model)
+    objective = OnPolicyObjective(tc.on_policy, target, vocab, stop_ids, pad_id, tc.max_length)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = loop.train(phase_config(tc), model, examples, Collator(pad_id, None), out_dir,
+                        lambda metrics, step: log({f"on_policy/{k}": v for k, v in metrics.items()}, first_step + step),
+                        seed, objective=objective, evaluate=held_out)
+    after = held_out(result.model)
+    result.summary = {**result.summary, "heldout_before": before, "heldout_after": after}
+    return result
