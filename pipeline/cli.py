@@ -1,6 +1,6 @@
 """``python -m pipeline COMMAND [recipe=NAME] [key=value ...]`` — what the Makefile and Slurm call.
 
-Commands: the stages (distill, pretrain, finetune, eval), ``config`` (print the composed config) and
+Commands: the stages (distill, pretrain, finetune, eval; ``export`` after a finetune), ``config`` (print the composed config) and
 ``prepare`` (convert the target model and extract the translation sources, once).
 """
 
@@ -15,12 +15,12 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline.config import ConfigError, compose_config
 from pipeline.models.provision import ModelNotFoundError, model_path
 from pipeline.models.vocab import TokenizerMismatchError
-from pipeline.rundir import STAGES, StageConflictError, StageInputError, stage_dir
+from pipeline.rundir import EXPORT, STAGES, StageConflictError, StageInputError, stage_dir
 from pipeline.serving.server import ServingError
 from pipeline.speculative import LosslessError
 from pipeline.tracking import stage_tracker
 
-COMMANDS = (*STAGES, "config", "prepare")
+COMMANDS = (*STAGES, EXPORT, "config", "prepare")
 USER_ERRORS = (ConfigError, StageInputError, StageConflictError, ModelNotFoundError, FileNotFoundError, TokenizerMismatchError,
                ServingError, LosslessError)
 

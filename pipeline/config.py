@@ -252,6 +252,13 @@ class EvalConfig:
 
 
 @dataclass
+class ExportConfig:
+    # held-out prompts of the export's smoke check: greedy output with the exported drafter equals the target's
+    # own, and its T=1 acceptance equals our engine's with the same drafter (eval.seeds, K, max_new_tokens)
+    num_prompts: int = 8
+
+
+@dataclass
 class LoggerConfig:
     backend: LoggerBackend = LoggerBackend.wandb
     project: str = "specdraft"
@@ -278,6 +285,7 @@ class Config:
     distill: DistillConfig = MISSING
     train: TrainGroupConfig = MISSING
     eval: EvalConfig = MISSING
+    export: ExportConfig = field(default_factory=ExportConfig)
     logger: LoggerConfig = MISSING
     paths: PathsConfig = MISSING
 
@@ -286,7 +294,7 @@ ConfigStore.instance().store(name="specdraft_schema", node=Config)
 SCHEMAS = {cls.__name__: cls for cls in (Config, TargetConfig, DrafterConfig, LangConfig, TranslationExample,
                                          HubSourceConfig, DataConfig,
                                          CorpusConfig, DistillConfig, ServerConfig, TrainGroupConfig, TrainConfig,
-                                         FinetuneConfig, EvalConfig, LoggerConfig, PathsConfig)}
+                                         FinetuneConfig, EvalConfig, ExportConfig, LoggerConfig, PathsConfig)}
 
 GROUPS = ("target", "drafter", "lang", "data", "distill", "train", "eval", "logger", "paths")
 
@@ -408,6 +416,8 @@ def validate(cfg: DictConfig) -> None:
             problems.append(f"train.{name}.launch '{tc.launch}' unknown; valid: {', '.join(launches)}")
     if not DEVICE_SPEC.fullmatch(cfg.eval.device):
         problems.append(f"eval.device={cfg.eval.device} is not a device; use auto, cpu, cuda or cuda:N")
+    if cfg.export.num_prompts < 1:
+        problems.append("export.num_prompts must be >= 1")
     if cfg.eval.tie_tolerance < 0:
         problems.append("eval.tie_tolerance must be >= 0 (a top-2 logit gap)")
     if cfg.eval.engine not in ("transformers", "vllm"):

@@ -7,6 +7,7 @@ Slurm job computes the same path):
     runs/<target>/<drafter>/pretrain/
     runs/<target>/<drafter>/<lang>/finetune/
     runs/<target>/<drafter>/<lang>/eval/
+    runs/<target>/<drafter>/<lang>/export/
 
 Each holds ``manifest.json`` (hash of the config sections the stage depends on and of its inputs'
 hashes, git revision, inputs, counts) and, once finished, the atomic completion marker ``COMPLETE``.
@@ -30,7 +31,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import REPO_ROOT, FinetuneMode, config_hash, sections
 
-STAGES = ("distill", "pretrain", "finetune", "eval")
+STAGES = ("distill", "pretrain", "finetune", "eval")  # the pipeline: `make all` and Slurm's chain
+EXPORT = "export"  # after a finetune, on demand: the drafter in the forms transformers and vLLM serve
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
 
@@ -43,6 +45,8 @@ STAGE_SECTIONS = {
     "pretrain": ["target", "drafter", "data.pretrain_corpora", "data.pretrain_max_documents", "train.pretrain", "seed"],
     "finetune": ["target", "drafter", "lang", "train.finetune", "seed"],
     "eval": ["target", "drafter", "lang", "eval"],
+    EXPORT: ["target", "drafter", "lang", "eval.num_draft_tokens", "eval.max_new_tokens", "eval.seeds", "eval.top_k",
+             "eval.top_p", "export"],
 }
 
 # Keys inside those sections that do not change a stage's result, so changing them keeps its hash: how
@@ -167,13 +171,15 @@ def input_stages(cfg: DictConfig, stage: str) -> list[str]:
         return ["distill", "pretrain"] if needs_pretrain else ["distill"]
     if stage == "eval":
         return [] if cfg.eval.drafter_path else ["finetune"]
+    if stage == EXPORT:
+        return ["finetune"]
     return []
 
 
 def stage_dir(cfg: DictConfig, stage: str, check_inputs: bool = True) -> StageDir:
     """The stage's directory with its inputs resolved; fails fast when an input is not complete."""
-    if stage not in STAGES:
-        raise ValueError(f"unknown stage '{stage}'; valid: {', '.join(STAGES)}")
+    if stage not in (*STAGES, EXPORT):
+        raise ValueError(f"unknown stage '{stage}'; valid: {', '.join((*STAGES, EXPORT))}")
     inputs = {name: stage_dir(cfg, name, check_inputs) for name in input_stages(cfg, stage)}
     if check_inputs:
         for name, upstream in inputs.items():
