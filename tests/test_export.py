@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig, LlamaForCausalLM
 
 from pipeline import cli
-from pipeline.config import compose_config
+from pipeline.config import REPO_ROOT, compose_config
 from pipeline.models.drafter import save_drafter
 from pipeline.models.export import VLLM_DIR, export_drafter, vllm_mapping_problem
 from pipeline.models.vocab import VocabMap
@@ -140,3 +140,10 @@ def test_export_stage_writes_a_servable_folder_whose_readme_snippet_runs(smollm_
     assert "use_heterogeneous_vocab" in readme and "trust_remote_code=True" in readme
     shutil.rmtree(out / "drafter")  # a rerun of a complete export is skipped
     assert cli.main(["export", *base]) == 0 and not (out / "drafter").exists()
+
+
+def test_make_export_runs_the_export_command_for_the_pair():
+    result = subprocess.run(["make", "-o", "install", "-n", "export", "LANG=fr-en"], cwd=REPO_ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    assert "-m pipeline export recipe=local lang=fr-en" in result.stdout
