@@ -60,7 +60,7 @@ def as_target_vocabulary(drafter, vocab: VocabMap) -> SpecdraftDrafterForCausalL
     for name in SPECIAL_IDS:  # the drafter's config holds them as drafter ids
         ids = inner.get(name)
         if ids is not None:
-            outer[name] = [int(vocab.target_ids[i]) for i in ids] if isinstance(ids, list) else int(vocab.target_ids[ids])
+            outer[name] = vocab.target_ids[torch.as_tensor(ids)].tolist()
     config = SpecdraftDrafterConfig(drafter_config=inner, **(outer | {"vocab_size": vocab.target_vocab_size}))
     SpecdraftDrafterConfig.register_for_auto_class()
     SpecdraftDrafterForCausalLM.register_for_auto_class("AutoModelForCausalLM")

@@ -33,6 +33,7 @@ from pipeline.models.drafter import load_drafter
 from pipeline.models.export import VLLM_DIR, export_drafter, vllm_mapping_problem
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.rundir import git_revision
+from pipeline.speculative import AcceptanceMismatchError
 from pipeline.speculative.engine import CachedModel, ModelDrafter, StopCondition, generate, hf_generate, top2_gap
 from pipeline.speculative.metrics import alpha_from_tau
 from pipeline.speculative.sampler import Sampling
@@ -40,10 +41,6 @@ from pipeline.speculative.sampler import Sampling
 FOLDER = "drafter"
 SAMPLES = "samples.jsonl"
 NOISE_SE = 4  # |tau_hf - tau_ours| beyond this many standard errors of the difference fails the stage
-
-
-class AcceptanceMismatchError(RuntimeError):
-    """The exported drafter drafts unlike the finetuned one (the stage fails in one line)."""
 
 
 def run(cfg: DictConfig, directory, tracker) -> dict:
@@ -93,7 +90,8 @@ def smoke_check(cfg: DictConfig, target_path: str, finetuned: str, folder, devic
     ev = cfg.eval
     tokenizer = load_tokenizer(target_path)
     target_model = load_model(target_path, cfg.target.dtype, device)
-    exported = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).to(device).eval()
+    exported = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+    exported = exported.to(device).eval()
     drafter, vocab = load_drafter(finetuned, target_path, device=device)
     ours = ModelDrafter(drafter.eval(), vocab)
     target = CachedModel(target_model)
@@ -148,8 +146,8 @@ def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
     k, dtype = cfg.eval.num_draft_tokens, cfg.target.dtype
     reduced = counts["reduced_vocab"]
     what = (f"a reduced-vocabulary drafter: it proposes only {reduced} of the target's tokens; loaded with "
-            "`trust_remote_code=True` (modeling_specdraft.py, in this folder) it reads and writes target token ids, and "
-            "every token outside its vocabulary gets logit -inf (probability 0), so its distribution is exactly the "
+            "`trust_remote_code=True` (modeling_specdraft.py, in this folder) it reads and writes target token ids, "
+            "and every token outside its vocabulary gets logit -inf (probability 0), so its distribution is exactly the "
             "trained one" if reduced else "a drafter over the target's whole vocabulary: an ordinary causal LM")
     remote = ", trust_remote_code=True" if reduced else ""
     t1, prompt = smoke["t1"], json.dumps(smoke["example_prompt"])
@@ -197,8 +195,8 @@ def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
             f"or `vllm serve {target_path} --speculative-config '{spec}'`.",
         ]
         if reduced:
-            lines += ["", f"`{VLLM_DIR}/` is this drafter for vLLM's heterogeneous-vocabulary drafting: the plain model "
-                      f"over its {reduced} + 1 ids with a tokenizer of their token strings, which vLLM maps onto the "
+            lines += ["", f"`{VLLM_DIR}/` is this drafter for vLLM's heterogeneous-vocabulary drafting: the plain "
+                      f"model over its {reduced} + 1 ids with a tokenizer of their token strings, which vLLM maps onto the "
                       "target's vocabulary (the export checked that this mapping is the drafter's own map). vLLM then "
                       "drafts greedily (its only draft sampling with a heterogeneous vocabulary): outputs follow the "
                       "target's distribution at any temperature, but acceptance at T > 0 is below the drafter's own."]
