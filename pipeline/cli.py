@@ -1,7 +1,7 @@
 """``python -m pipeline COMMAND [recipe=NAME] [key=value ...]`` — what the Makefile and Slurm call.
 
-Commands: the stages (distill, pretrain, finetune, eval), ``config`` (print the composed config) and
-``prepare`` (convert the target model and extract the translation sources, once).
+Commands: the stages (distill, pretrain, finetune, eval; ``export`` after a finetune), ``config`` (print the
+composed config) and ``prepare`` (convert the target model and extract the translation sources, once).
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline.config import ConfigError, compose_config
 from pipeline.models.provision import ModelNotFoundError, model_path
 from pipeline.models.vocab import TokenizerMismatchError
-from pipeline.rundir import STAGES, StageConflictError, StageInputError, stage_dir
+from pipeline.rundir import EXPORT, STAGES, StageConflictError, StageInputError, stage_dir
 from pipeline.serving.server import ServingError
-from pipeline.speculative import LosslessError
+from pipeline.speculative import AcceptanceMismatchError, LosslessError
 from pipeline.tracking import stage_tracker
 
-COMMANDS = (*STAGES, "config", "prepare")
+COMMANDS = (*STAGES, EXPORT, "config", "prepare")
 USER_ERRORS = (ConfigError, StageInputError, StageConflictError, ModelNotFoundError, FileNotFoundError, TokenizerMismatchError,
-               ServingError, LosslessError)
+               ServingError, LosslessError, AcceptanceMismatchError)
 
 
 def run_stage(stage: str, cfg: DictConfig) -> None:

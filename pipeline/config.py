@@ -285,6 +285,13 @@ class EvalConfig:
 
 
 @dataclass
+class ExportConfig:
+    # held-out prompts of the export's smoke check: greedy output with the exported drafter equals the target's
+    # own, and its T=1 acceptance equals our engine's with the same drafter (eval.seeds, K, max_new_tokens)
+    num_prompts: int = 8
+
+
+@dataclass
 class LoggerConfig:
     backend: LoggerBackend = LoggerBackend.wandb
     project: str = "specdraft"
@@ -312,6 +319,7 @@ class Config:
     distill: DistillConfig = MISSING
     train: TrainGroupConfig = MISSING
     eval: EvalConfig = MISSING
+    export: ExportConfig = field(default_factory=ExportConfig)
     logger: LoggerConfig = MISSING
     paths: PathsConfig = MISSING
 
@@ -320,7 +328,8 @@ ConfigStore.instance().store(name="specdraft_schema", node=Config)
 SCHEMAS = {cls.__name__: cls for cls in (Config, TargetConfig, DrafterConfig, LangConfig, TranslationExample,
                                          HubSourceConfig, DataConfig,
                                          CorpusConfig, DistillConfig, ServerConfig, TrainGroupConfig, TrainConfig,
-                                         FinetuneConfig, OnPolicyConfig, EvalConfig, LoggerConfig, PathsConfig)}
+                                         FinetuneConfig, OnPolicyConfig, EvalConfig, ExportConfig, LoggerConfig,
+                                         PathsConfig)}
 
 GROUPS = ("target", "drafter", "lang", "data", "distill", "train", "eval", "logger", "paths", "dry_run")
 
@@ -455,6 +464,8 @@ def validate(cfg: DictConfig) -> None:
         problems.append("distill.server.tensor_parallel must be >= 1")
     if server.data_parallel != "auto" and (not isinstance(server.data_parallel, int) or server.data_parallel < 1):
         problems.append(f"distill.server.data_parallel must be a positive integer or auto, not {server.data_parallel}")
+    if cfg.export.num_prompts < 1:
+        problems.append("export.num_prompts must be >= 1")
     if cfg.eval.tie_tolerance < 0:
         problems.append("eval.tie_tolerance must be >= 0 (a top-2 logit gap)")
     if cfg.eval.engine not in ("transformers", "vllm"):

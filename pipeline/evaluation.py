@@ -69,10 +69,11 @@ def eval_pairs(cfg: DictConfig) -> list[str]:
     return [cfg.lang.pair, *[p for p in cfg.eval.matrix_langs if p != cfg.lang.pair]]
 
 
-def heldout_prompts(cfg: DictConfig, pair: str, tokenizer) -> list:
-    """(example, prompt as the target sees it) for the first eval.num_prompts held-out sources of ``pair``."""
+def heldout_prompts(cfg: DictConfig, pair: str, tokenizer, count: int | None = None) -> list:
+    """(example, prompt as the target sees it) for the first ``count`` (default eval.num_prompts) held-out
+    sources of ``pair``."""
     lang_cfg = lang_config(cfg, pair) if pair != cfg.lang.pair else cfg
-    heldout = load_sources(lang_cfg)[1][: cfg.eval.num_prompts]
+    heldout = load_sources(lang_cfg)[1][: count or cfg.eval.num_prompts]
     if not heldout:
         raise ConfigError(f"no held-out prompts for {pair}; raise data.heldout_max or choose another lang")
     return [(ex, build_prompt(cfg.target, lang_cfg.lang, ex.src, tokenizer)) for ex in heldout]

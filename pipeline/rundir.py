@@ -7,6 +7,7 @@ Slurm job computes the same path):
     runs/<target>/<drafter>/pretrain/<hash>/       content-addressed: one folder per pretraining config
     runs/<target>/<drafter>/<run>/<lang>/finetune/
     runs/<target>/<drafter>/<run>/<lang>/eval/
+    runs/<target>/<drafter>/<run>/<lang>/export/
 
 ``run`` names the variant (default: the recipe), so a P-F recipe and its F-only ablation, a KD variant
 or a sweep (``run=lr-1e-4 train.finetune.lr=1e-4``) never write into each other's folders. Pretraining is
@@ -34,7 +35,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import REPO_ROOT, FinetuneMode, config_hash, sections
 
-STAGES = ("distill", "pretrain", "finetune", "eval")
+STAGES = ("distill", "pretrain", "finetune", "eval")  # the pipeline: `make all` and Slurm's chain
+EXPORT = "export"  # after a finetune, on demand: the drafter in the forms transformers and vLLM serve
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
 
@@ -48,6 +50,8 @@ STAGE_SECTIONS = {
     "pretrain": ["target", "drafter", "data.pretrain_corpora", "data.pretrain_max_documents", "train.pretrain", "seed"],
     "finetune": ["target", "drafter", "lang", "train.finetune", "seed"],
     "eval": ["target", "drafter", "lang", "eval"],
+    EXPORT: ["target", "drafter", "lang", "eval.num_draft_tokens", "eval.max_new_tokens", "eval.seeds", "eval.top_k",
+             "eval.top_p", "export"],
 }
 
 # Keys inside those sections that do not change a stage's result, so changing them keeps its hash: how
@@ -174,13 +178,15 @@ def input_stages(cfg: DictConfig, stage: str) -> list[str]:
         return ["distill", "pretrain"] if needs_pretrain else ["distill"]
     if stage == "eval":
         return [] if cfg.eval.drafter_path else ["finetune"]
+    if stage == EXPORT:
+        return ["finetune"]
     return []
 
 
 def stage_dir(cfg: DictConfig, stage: str, check_inputs: bool = True) -> StageDir:
     """The stage's directory with its inputs resolved; fails fast when an input is not complete."""
-    if stage not in STAGES:
-        raise ValueError(f"unknown stage '{stage}'; valid: {', '.join(STAGES)}")
+    if stage not in (*STAGES, EXPORT):
+        raise ValueError(f"unknown stage '{stage}'; valid: {', '.join((*STAGES, EXPORT))}")
     inputs = {name: stage_dir(cfg, name, check_inputs) for name in input_stages(cfg, stage)}
     if check_inputs:
         for name, upstream in inputs.items():

@@ -36,11 +36,12 @@ from omegaconf import OmegaConf
 
 from pipeline.cli import main as cli
 from pipeline.config import Divergence, compose_config
-from pipeline.evaluation import eos_ids, heldout_prompts
+from pipeline.evaluation import heldout_prompts, stop_condition
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
+from pipeline.prompts import prompt_ids
 from pipeline.rundir import stage_dir
-from pipeline.speculative.engine import CachedModel, StopCondition, generate
+from pipeline.speculative.engine import CachedModel, generate
 from pipeline.training import loop, on_policy
 from pipeline.training.data import IGNORE, Collator, finetune_examples, read_records
 
@@ -70,10 +71,10 @@ def finetuned_config():
 
 def heldout_examples(cfg, target, tokenizer, count: int) -> list[dict]:
     """The eval stage's first held-out prompts with the target's greedy answers, as finetune examples."""
-    stop = StopCondition(tokenizer, cfg.target.stop, eos_ids(tokenizer, target))
+    stop = stop_condition(cfg.target, tokenizer, target)
     out = []
     for _, prompt in heldout_prompts(cfg, PAIR, tokenizer)[:count]:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        ids = torch.tensor([prompt_ids(prompt, tokenizer)])
         with torch.inference_mode():
             answer = generate(CachedModel(target), ids, HELDOUT_TOKENS, stop).tokens
         out.append({"input_ids": ids[0].tolist() + answer, "labels": [IGNORE] * ids.shape[1] + answer})
@@ -176,7 +177,7 @@ def main(out_dir: Path) -> dict:
     examples = finetune_examples(read_records(directory.inputs["distill"].path / "records"), tokenizer, tc.max_length)
     held_out = on_policy.HeldOut(target, vocab, heldout_examples(cfg, target, tokenizer, int(
         os.environ.get("ON_POLICY_HELDOUT", "32"))), tokenizer.pad_token_id)
-    stops = on_policy.stop_token_ids(tokenizer, cfg.target.stop, eos_ids(tokenizer, target))
+    stops = on_policy.rollout_stop_ids(stop_condition(cfg.target, tokenizer, target))
 
     cost = scoring_cost(target, vocab, held_out)
     arms = {}

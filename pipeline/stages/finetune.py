@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from transformers import AutoConfig
 
 from pipeline.config import FinetuneMode, Loss
-from pipeline.evaluation import eos_ids
+from pipeline.evaluation import stop_condition
 from pipeline.models.drafter import build_drafter, load_drafter, reduced_vocab, specialize_vocab
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.rundir import StageDir, StageInputError, make_command
@@ -26,7 +26,7 @@ from pipeline.tracking import Tracker
 from pipeline.training import loop, on_policy
 from pipeline.training.data import TokenStrings, finetune_examples, read_records, teacher_coverage, token_counts
 from pipeline.training.launch import MetricsLog, run_training
-from pipeline.training.on_policy import split_heldout, stop_token_ids
+from pipeline.training.on_policy import rollout_stop_ids, split_heldout
 
 
 def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
@@ -80,7 +80,7 @@ def aligner(cfg: DictConfig, vocab, examples: list[dict], heldout: list[dict], t
 
     def align(sft: loop.TrainResult) -> loop.TrainResult:
         target = load_model(target_path, cfg.target.dtype, sft.accelerator.device)
-        stops = stop_token_ids(tokenizer, cfg.target.stop, eos_ids(tokenizer, target))
+        stops = rollout_stop_ids(stop_condition(cfg.target, tokenizer, target))
         result = on_policy.align(tc, sft.model, vocab, target, examples, heldout, stops, tokenizer.pad_token_id,
                                  directory.path / "on_policy", log, cfg.seed, first_step=sft.summary["steps"])
         result.summary = {**sft.summary, "on_policy": result.summary}

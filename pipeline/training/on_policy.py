@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import ConfigError, Divergence
 from pipeline.models.vocab import VocabMap
+from pipeline.speculative.engine import StopCondition
 from pipeline.training import loop
 from pipeline.training.data import IGNORE, Collator
 
@@ -117,10 +118,10 @@ def drafter_logits(model, drafter_ids: torch.Tensor, attention_mask: torch.Tenso
 # ---------------------------------------------------------------- rollouts
 
 
-def stop_token_ids(tokenizer, stop_strings, eos_ids: list[int]) -> list[int]:
-    """Target ids that end an answer: EOS, and every token whose text holds a stop string."""
-    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-    return sorted(set(eos_ids) | {i for i, text in enumerate(texts) if any(s in text for s in stop_strings)})
+def rollout_stop_ids(stop: StopCondition) -> list[int]:
+    """Target ids that end a rollout: the answer's end ids, and every token whose text holds a stop string."""
+    texts = stop.tokenizer.batch_decode([[i] for i in range(len(stop.tokenizer))])
+    return sorted(stop.eos_token_ids | {i for i, text in enumerate(texts) if any(s in text for s in stop.stop_strings)})
 
 
 def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

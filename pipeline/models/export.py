@@ -1,0 +1,97 @@
+"""A finished drafter folder in the forms transformers and vLLM serve.
+
+- A full-vocabulary drafter already is one: an ordinary HF causal LM with the target's tokenizer, usable
+  as ``assistant_model`` and as vLLM's ``draft_model``; it is written again unchanged.
+- A reduced-vocabulary drafter (``vocab_map.json``) becomes ``modeling_specdraft.SpecdraftDrafterForCausalLM``
+  (remote code through ``auto_map``): target ids in, target-vocabulary logits out, -inf off its map, its
+  weights (small head, tying) unchanged. Beside it, ``vllm/`` holds the plain drafter with a tokenizer of
+  its own N + 1 tokens, the form vLLM's ``use_heterogeneous_vocab`` maps back onto the target's vocabulary
+  by token string; ``vllm_mapping_problem`` checks that this mapping is exactly the drafter's map.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
+
+from pipeline.models.drafter import check_drafter
+from pipeline.models.modeling_specdraft import SpecdraftDrafterConfig, SpecdraftDrafterForCausalLM
+from pipeline.models.vocab import VocabMap
+
+VLLM_DIR = "vllm"  # the reduced-vocabulary drafter's vLLM form, inside the exported folder
+UNMAPPED_TOKEN = "<specdraft:unmapped>"  # the drafter's id N in its vLLM tokenizer: in no target vocabulary
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def export_drafter(drafter_path: str, target_path: str, folder: Path, num_draft_tokens: int) -> VocabMap | None:
+    """Write the servable form of the drafter folder ``drafter_path`` to ``folder`` (atomically); returns its
+    vocab map (None: full vocabulary). transformers' assisted generation drafts ``num_draft_tokens`` per
+    round with it (the generation config it reads is the assistant's own)."""
+    vocab = check_drafter(drafter_path, target_path)
+    drafter = AutoModelForCausalLM.from_pretrained(drafter_path, dtype=torch.float32)
+    target_tokenizer = AutoTokenizer.from_pretrained(target_path)
+    partial = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    if vocab is None:
+        drafter.save_pretrained(partial)
+    else:
+        as_target_vocabulary(drafter, vocab).save_pretrained(partial)
+        drafter.save_pretrained(partial / VLLM_DIR)
+        reduced_tokenizer(target_tokenizer, vocab).save_pretrained(partial / VLLM_DIR)
+    target_tokenizer.save_pretrained(partial)
+    GenerationConfig(**{name: getattr(target_tokenizer, name) for name in SPECIAL_IDS},
+                     num_assistant_tokens=num_draft_tokens, num_assistant_tokens_schedule="constant",
+                     assistant_confidence_threshold=0.0).save_pretrained(partial)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(partial, folder)
+    return vocab
+
+
+def as_target_vocabulary(drafter, vocab: VocabMap) -> SpecdraftDrafterForCausalLM:
+    """The reduced-vocabulary ``drafter`` wrapped to read and write target ids (modeling_specdraft)."""
+    inner = drafter.config.to_dict()
+    outer = {key: value for key, value in inner.items() if key not in ("architectures", "auto_map", "model_type")}
+    for name in SPECIAL_IDS:  # the drafter's config holds them as drafter ids
+        ids = inner.get(name)
+        if ids is not None:
+            outer[name] = vocab.target_ids[torch.as_tensor(ids)].tolist()
+    config = SpecdraftDrafterConfig(drafter_config=inner, **(outer | {"vocab_size": vocab.target_vocab_size}))
+    SpecdraftDrafterConfig.register_for_auto_class()
+    SpecdraftDrafterForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    wrapped = SpecdraftDrafterForCausalLM(config)
+    wrapped.drafter.load_state_dict(drafter.state_dict())
+    wrapped.to_drafter.copy_(vocab.to_drafter)
+    return wrapped.eval()
+
+
+def reduced_tokenizer(target_tokenizer, vocab: VocabMap) -> PreTrainedTokenizerFast:
+    """A tokenizer whose vocabulary is the drafter's: id i < N is target id ``target_ids[i]``'s token string, and
+    id N is UNMAPPED_TOKEN, its unknown token. Only its vocabulary is read (by vLLM, to map ids); it never encodes."""
+    strings = target_tokenizer.convert_ids_to_tokens(vocab.target_ids.tolist())
+    table = {token: i for i, token in enumerate(strings)} | {UNMAPPED_TOKEN: vocab.unk_id}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(table, unk_token=UNMAPPED_TOKEN)),
+                                   unk_token=UNMAPPED_TOKEN)
+
+
+def vllm_mapping_problem(target_path: str, folder: Path, vocab: VocabMap) -> str | None:
+    """Why vLLM's heterogeneous-vocabulary mapping of the exported ``vllm/`` form would differ from the drafter's
+    own map, in one line, or None when it is the same map (every mapped id, and the rest to the unmapped id)."""
+    try:
+        from vllm.v1.spec_decode.vocab_mapping import VocabMapping
+    except ImportError as exc:
+        return f"vLLM is not installed here ({exc}), so its vocabulary mapping could not be checked"
+    mapping = VocabMapping(AutoTokenizer.from_pretrained(target_path), AutoTokenizer.from_pretrained(folder / VLLM_DIR),
+                           vocab.target_vocab_size, vocab.drafter_vocab_size, "cpu")
+    wrong = int((mapping.draft_to_target_ids[: vocab.unk_id] != vocab.target_ids.cpu()).sum())
+    wrong_inputs = int((mapping.map_target_to_draft_ids(torch.arange(vocab.target_vocab_size))
+                        != vocab.to_drafter.cpu()).sum())
+    if wrong or wrong_inputs or int(mapping.draft_to_target_ids[vocab.unk_id]) != -1:
+        return (f"vLLM's heterogeneous vocabulary (token-string intersection) maps {wrong} of the drafter's "
+                f"{vocab.unk_id} ids and {wrong_inputs} target input ids differently from its vocab map")
+    return None

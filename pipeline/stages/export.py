@@ -1,0 +1,218 @@
+"""export stage: the finetuned drafter of one language pair as a folder users serve (``make export LANG=...``).
+
+``<run>/export/drafter/`` holds the drafter in the form transformers loads as ``assistant_model`` (a
+reduced-vocabulary drafter through the remote code of pipeline/models/modeling_specdraft.py, exact: no
+probability off its map), its vLLM form (``vllm/`` for a reduced vocabulary: vLLM's heterogeneous-vocabulary
+drafting), and a README.md with the snippets for both and this stage's smoke check, which every export runs
+on export.num_prompts held-out prompts:
+
+- greedy: the target with the exported drafter as transformers' assistant_model gives the target's own
+  greedy tokens (the eval stage's greedy gate: exact in float32, numerical ties allowed in half precision);
+- T=1: the exported drafter's acceptance in transformers' assisted generation equals our engine's with the
+  finetuned drafter (same K, prompts and max_new_tokens, eval.seeds), within noise: tau = emitted tokens /
+  target forward calls in both (pipeline/speculative/metrics.py), compared by the standard error of the
+  difference of their means.
+
+Either check failing fails the stage in one line, after samples.jsonl and the manifest's counts are written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import torch
+from omegaconf import DictConfig
+from transformers import AutoModelForCausalLM
+
+from pipeline.device import resolve_device
+from pipeline.evaluation import GreedyGate, environment, greedy_gate_line, heldout_prompts, stop_condition, tie_tolerance
+from pipeline.jsonl import write_jsonl
+from pipeline.models.drafter import load_drafter
+from pipeline.models.export import VLLM_DIR, export_drafter, vllm_mapping_problem
+from pipeline.models.provision import load_model, load_tokenizer, model_path
+from pipeline.prompts import prompt_ids
+from pipeline.rundir import git_revision
+from pipeline.speculative import AcceptanceMismatchError
+from pipeline.speculative.engine import CachedModel, ModelDrafter, generate, hf_generate, top2_gap
+from pipeline.speculative.metrics import alpha_from_tau
+from pipeline.speculative.sampler import Sampling
+
+FOLDER = "drafter"
+SAMPLES = "samples.jsonl"
+NOISE_SE = 4  # |tau_hf - tau_ours| beyond this many standard errors of the difference fails the stage
+
+
+def run(cfg: DictConfig, directory, tracker) -> dict:
+    ev = cfg.eval
+    device = resolve_device(ev.device)
+    target_path = model_path(cfg.target, cfg.paths.models_dir)
+    finetuned = str(directory.inputs["finetune"].path / "drafter")
+    folder = directory.path / FOLDER
+    vocab = export_drafter(finetuned, target_path, folder, ev.num_draft_tokens)
+    vllm = vllm_form(target_path, folder, vocab, ev.num_draft_tokens)
+    smoke, gate = smoke_check(cfg, target_path, finetuned, folder, device, directory.path)
+    counts = {"folder": str(folder.resolve()), "reduced_vocab": vocab.unk_id if vocab is not None else None,
+              "vllm": vllm, "smoke_check": smoke}
+    (folder / "README.md").write_text(readme(cfg, target_path, counts))
+    t1 = smoke["t1"]
+    tracker.summary({"export/greedy_exact": smoke["greedy"]["exact"], "export/tau_hf": t1["tau_hf"],
+                     "export/tau_ours": t1["tau_ours"]})
+    print(f"export: {greedy_gate_line(smoke['greedy'], 'the target alone')} T=1 tau: transformers {t1['tau_hf']:.3f}, "
+          f"ours {t1['tau_ours']:.3f} (SE of the difference {t1['se_difference']:.3f}); vLLM: "
+          f"{vllm['reason'] or 'speculative_config in README.md'}", flush=True)
+    # Both checks fail the stage after the folder, its README and samples.jsonl are written, for inspection.
+    gate.enforce("greedy outputs with the exported drafter differ from the target's own", directory.path)
+    if not t1["within_noise"]:
+        raise AcceptanceMismatchError(
+            f"the exported drafter's T=1 tau in transformers ({t1['tau_hf']:.3f}) differs from our engine's "
+            f"({t1['tau_ours']:.3f}) by more than {NOISE_SE} standard errors; see {directory.path / SAMPLES}")
+    return counts
+
+
+def vllm_form(target_path: str, folder, vocab, k: int) -> dict:
+    """vLLM's ``speculative_config`` for the exported drafter, or the reason in one line why this vLLM cannot run it."""
+    if vocab is None:
+        return {"speculative_config": {"method": "draft_model", "model": str(folder.resolve()),
+                                       "num_speculative_tokens": k}, "reason": None}
+    problem = vllm_mapping_problem(target_path, folder, vocab)
+    if problem is not None:
+        return {"speculative_config": None, "reason": problem}
+    return {"speculative_config": {"method": "draft_model", "model": str((folder / VLLM_DIR).resolve()),
+                                   "num_speculative_tokens": k, "use_heterogeneous_vocab": True},
+            "reason": None}
+
+
+def smoke_check(cfg: DictConfig, target_path: str, finetuned: str, folder, device: torch.device,
+                out_dir) -> tuple[dict, GreedyGate]:
+    """The module docstring's two checks on export.num_prompts held-out prompts (rows to ``out_dir/samples.jsonl``):
+    the results, and the greedy gate to enforce."""
+    ev = cfg.eval
+    tokenizer = load_tokenizer(target_path)
+    target_model = load_model(target_path, cfg.target.dtype, device)
+    exported = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+    exported = exported.to(device).eval()
+    drafter, vocab = load_drafter(finetuned, target_path, device=device)
+    ours = ModelDrafter(drafter.eval(), vocab)
+    target = CachedModel(target_model)
+    stop = stop_condition(cfg.target, tokenizer, target_model)
+    greedy, sampled = Sampling(0.0), Sampling(1.0, ev.top_k, ev.top_p)
+    calls = [0]  # transformers' target forwards: one per assisted round
+    target_model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+
+    def hf_tau(ids, seed) -> float:
+        calls[0] = 0
+        tokens = hf_generate(target_model, ids, ev.max_new_tokens, stop, sampled, seed, assistant=exported,
+                             k=ev.num_draft_tokens)
+        return len(tokens) / calls[0]
+
+    gate, rows = GreedyGate(tie_tolerance(cfg.target.dtype, ev.tie_tolerance)), []
+    for example, prompt in heldout_prompts(cfg, cfg.lang.pair, tokenizer, cfg.export.num_prompts):
+        ids = torch.tensor([prompt_ids(prompt, tokenizer)], device=device)
+        reference = hf_generate(target_model, ids, ev.max_new_tokens, stop, greedy, 0)
+        assisted = hf_generate(target_model, ids, ev.max_new_tokens, stop, greedy, 0, assistant=exported,
+                               k=ev.num_draft_tokens)
+        gate.check({"lang": cfg.lang.pair, "id": example.id, "method": "hf_assisted_exported"}, reference, assisted,
+                   lambda position: top2_gap(target_model, ids, reference[:position]))
+        t1 = {}
+        for seed in ev.seeds:
+            generation = generate(target, ids, ev.max_new_tokens, stop, sampled, drafter=ours, k=ev.num_draft_tokens,
+                                  generator=torch.Generator(device=device).manual_seed(seed))
+            t1[seed] = {"tau_hf": hf_tau(ids, seed), "tau_ours": len(generation.tokens) / generation.target_calls}
+        rows.append({"id": example.id, "prompt": prompt, "target_greedy": reference, "assisted_greedy": assisted,
+                     "t1": t1})
+    write_jsonl(out_dir / SAMPLES, rows)
+    return {"prompts": len(rows), "greedy": gate.summary(), "t1": compare_tau(rows, ev.num_draft_tokens),
+            "K": ev.num_draft_tokens, "max_new_tokens": ev.max_new_tokens, "seeds": list(ev.seeds),
+            "example_prompt": rows[0]["prompt"], "environment": environment(device)}, gate
+
+
+def compare_tau(rows: list[dict], k: int) -> dict:
+    """Mean tau of both engines over every (prompt, seed), and whether they agree within NOISE_SE standard errors
+    of the difference of two independent means."""
+    hf = [s["tau_hf"] for row in rows for s in row["t1"].values()]
+    ours = [s["tau_ours"] for row in rows for s in row["t1"].values()]
+    tau_hf, tau_ours = statistics.fmean(hf), statistics.fmean(ours)
+    spread = [statistics.variance(v) / len(v) if len(v) > 1 else 0.0 for v in (hf, ours)]
+    se = math.sqrt(sum(spread))
+    return {"samples": len(hf), "tau_hf": tau_hf, "tau_ours": tau_ours, "se_difference": se,
+            "alpha_from_tau_hf": alpha_from_tau(tau_hf, k), "alpha_from_tau_ours": alpha_from_tau(tau_ours, k),
+            "within_noise": abs(tau_hf - tau_ours) <= NOISE_SE * se + 1e-9}
+
+
+def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
+    """The exported folder's README: what it is, the transformers and vLLM snippets, and the smoke check."""
+    folder, smoke, vllm = counts["folder"], counts["smoke_check"], counts["vllm"]
+    k, dtype = cfg.eval.num_draft_tokens, cfg.target.dtype
+    reduced = counts["reduced_vocab"]
+    what = (f"a reduced-vocabulary drafter: it proposes only {reduced} of the target's tokens; loaded with "
+            "`trust_remote_code=True` (modeling_specdraft.py, in this folder) it reads and writes target token ids, "
+            "and every token outside its vocabulary gets logit -inf (probability 0), so its distribution is exactly the "
+            "trained one" if reduced else "a drafter over the target's whole vocabulary: an ordinary causal LM")
+    remote = ", trust_remote_code=True" if reduced else ""
+    t1, prompt = smoke["t1"], json.dumps(smoke["example_prompt"])
+    lines = [
+        f"# {cfg.drafter.name} drafter for {cfg.target.name}, {cfg.lang.pair}",
+        "",
+        f"A speculative-decoding drafter trained by specdraft (recipe `{cfg.recipe}`, git {git_revision()}) on "
+        f"{cfg.target.name}'s own {cfg.lang.pair} translations. It is {what}. Its tokenizer is the target's.",
+        "",
+        "## transformers",
+        "",
+        "```python",
+        "import torch",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        'device = "cuda" if torch.cuda.is_available() else "cpu"',
+        f'tokenizer = AutoTokenizer.from_pretrained("{target_path}")',
+        f'target = AutoModelForCausalLM.from_pretrained("{target_path}", dtype=torch.{dtype}).to(device)',
+        f'drafter = AutoModelForCausalLM.from_pretrained("{folder}"{remote}, dtype=torch.{dtype}).to(device)',
+        f'inputs = tokenizer({prompt}, return_tensors="pt").to(device)',
+        f"out = target.generate(**inputs, assistant_model=drafter, max_new_tokens={cfg.eval.max_new_tokens}, "
+        "do_sample=False)",
+        'print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
+        "```",
+        "",
+        f"The drafter's generation_config.json makes transformers draft K = {k} tokens per round "
+        "(`num_assistant_tokens`, constant schedule, no confidence cut); edit it to change K. With `do_sample=True` "
+        "the output follows the target's distribution (speculative sampling).",
+        "",
+        "## vLLM",
+        "",
+    ]
+    if vllm["speculative_config"] is None:
+        lines.append(f"Not possible on this vLLM: {vllm['reason']}.")
+    else:
+        spec = json.dumps(vllm["speculative_config"])
+        lines += [
+            "```python",
+            "from vllm import LLM, SamplingParams",
+            "",
+            f'llm = LLM(model="{target_path}", speculative_config={spec})',
+            'print(llm.generate(["..."], SamplingParams(temperature=0, max_tokens=128))[0].outputs[0].text)',
+            "```",
+            "",
+            f"or `vllm serve {target_path} --speculative-config '{spec}'`.",
+        ]
+        if reduced:
+            lines += ["", f"`{VLLM_DIR}/` is this drafter for vLLM's heterogeneous-vocabulary drafting: the plain "
+                      f"model over its {reduced} + 1 ids with a tokenizer of their token strings, which vLLM maps onto the "
+                      "target's vocabulary (the export checked that this mapping is the drafter's own map). vLLM then "
+                      "drafts greedily (its only draft sampling with a heterogeneous vocabulary): outputs follow the "
+                      "target's distribution at any temperature, but acceptance at T > 0 is below the drafter's own."]
+    lines += [
+        "",
+        "## Smoke check (run by the export)",
+        "",
+        f"On {smoke['prompts']} held-out {cfg.lang.pair} prompts, K = {k}, up to {cfg.eval.max_new_tokens} new tokens, "
+        f"on {smoke['environment']['device']} with transformers {smoke['environment']['transformers']}:",
+        "",
+        f"- greedy: {greedy_gate_line(smoke['greedy'], 'the target alone (transformers, no assistant)')}",
+        f"- T=1, seeds {smoke['seeds']}: tokens per target forward (tau) with this drafter in transformers' assisted "
+        f"generation {t1['tau_hf']:.3f}, with the finetuned drafter in specdraft's engine {t1['tau_ours']:.3f} "
+        f"(standard error of the difference {t1['se_difference']:.3f}, {t1['samples']} decodes each).",
+        "",
+    ]
+    return "\n".join(lines)
+

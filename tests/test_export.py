@@ -1,0 +1,150 @@
+"""Export: a reduced-vocabulary drafter served by transformers (remote code) and vLLM (heterogeneous vocabulary),
+on tiny random models with SmolLM2's tokenizer; the export stage end to end on the ci recipe."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig, LlamaForCausalLM
+
+from pipeline import cli
+from pipeline.config import REPO_ROOT, compose_config
+from pipeline.models.drafter import save_drafter
+from pipeline.models.export import VLLM_DIR, export_drafter, vllm_mapping_problem
+from pipeline.models.vocab import VocabMap
+from pipeline.rundir import stage_dir
+from tests.test_engine import llama, reduced_copy
+
+TARGET_VOCAB = 49152  # SmolLM2's
+
+
+def gemma_target(seed: int):
+    """Gemma 3's layout (sliding-window layers): its cache must come out of the wrapper's config right."""
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(vocab_size=TARGET_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=6,
+                              layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256)
+    return Gemma3ForCausalLM(config).eval()
+
+
+@pytest.fixture(params=["llama", "gemma"])
+def exported(request, smollm_path, tmp_path):
+    """A tiny target on SmolLM2's tokenizer, its reduced-vocabulary copy (the target's rows of every third id and
+    the special ids, tied: it agrees with the target where the target's choice is mapped) as a finetuned
+    drafter folder, and that folder exported."""
+    target = llama(0, TARGET_VOCAB) if request.param == "llama" else gemma_target(0)
+    tokenizer = AutoTokenizer.from_pretrained(smollm_path)
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    ids = sorted(set(range(0, TARGET_VOCAB, 3)) | set(tokenizer.all_special_ids))
+    vocab = VocabMap(torch.tensor(ids), TARGET_VOCAB)
+    drafter = reduced_copy(target, vocab)
+    drafter.config.tie_word_embeddings = True  # as the configured drafters are: one matrix for input and output
+    drafter.tie_weights()
+    save_drafter(drafter, str(tmp_path / "target"), vocab, tmp_path / "finetuned")
+    export_drafter(str(tmp_path / "finetuned"), str(tmp_path / "target"), tmp_path / "export", num_draft_tokens=3)
+    return {"target": target, "tokenizer": tokenizer, "drafter": drafter, "vocab": vocab, "dir": tmp_path}
+
+
+def test_exported_drafter_keeps_its_distribution_and_tied_weights(exported):
+    vocab, drafter = exported["vocab"], exported["drafter"]
+    loaded = AutoModelForCausalLM.from_pretrained(exported["dir"] / "export", trust_remote_code=True).eval()
+    ids = torch.randint(0, TARGET_VOCAB, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        logits = loaded(input_ids=ids).logits
+        expected = vocab.expand_logits(drafter(input_ids=vocab.encode(ids)).logits)
+    assert logits.shape == (1, 20, TARGET_VOCAB)
+    unmapped = torch.ones(TARGET_VOCAB, dtype=torch.bool)
+    unmapped[vocab.target_ids] = False
+    assert torch.isneginf(logits[..., unmapped]).all()
+    assert (torch.softmax(logits, -1)[..., unmapped] == 0).all()
+    torch.testing.assert_close(logits[..., vocab.target_ids], expected[..., vocab.target_ids], rtol=0, atol=0)
+    # tied and small: the drafter's own N + 1 rows, once
+    assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
+    assert loaded.get_input_embeddings().weight.shape[0] == vocab.drafter_vocab_size
+    assert sum(p.numel() for p in loaded.parameters()) == sum(p.numel() for p in drafter.parameters())
+
+
+def test_target_assisted_by_the_exported_drafter_decodes_its_own_greedy_tokens(exported):
+    target, tokenizer = exported["target"], exported["tokenizer"]
+    loaded = AutoModelForCausalLM.from_pretrained(exported["dir"] / "export", trust_remote_code=True).eval()
+    calls = []
+    loaded.register_forward_hook(lambda *_: calls.append(1))
+    for text in ("Translate to English: Guten Morgen", "1, 2, 3,"):
+        inputs = tokenizer(text, return_tensors="pt")
+        own = target.generate(**inputs, max_new_tokens=16, do_sample=False)
+        assisted = target.generate(**inputs, max_new_tokens=16, do_sample=False, assistant_model=loaded)
+        assert assisted.tolist() == own.tolist()
+    assert calls  # the drafter did draft
+    torch.manual_seed(0)  # speculative sampling runs on the -inf logits
+    sampled = target.generate(**inputs, max_new_tokens=16, do_sample=True, top_k=0, assistant_model=loaded)
+    assert sampled.shape[1] == inputs["input_ids"].shape[1] + 16
+
+
+def test_vllm_form_maps_exactly_the_drafters_vocabulary(exported):
+    folder, vocab = exported["dir"] / "export", exported["vocab"]
+    assert vllm_mapping_problem(str(exported["dir"] / "target"), folder, vocab) is None
+    config = json.loads((folder / VLLM_DIR / "config.json").read_text())
+    plain = (vocab.drafter_vocab_size, [type(exported["drafter"]).__name__])  # the drafter as it was trained
+    assert (config["vocab_size"], config["architectures"]) == plain
+    wrong = VocabMap(vocab.target_ids.flip(0), TARGET_VOCAB)  # the same ids in another order: another map
+    assert "maps" in vllm_mapping_problem(str(exported["dir"] / "target"), folder, wrong)
+
+
+def test_full_vocabulary_drafter_exports_as_a_plain_model(smollm_path, tmp_path):
+    target = llama(0, TARGET_VOCAB)
+    target.save_pretrained(tmp_path / "target")
+    AutoTokenizer.from_pretrained(smollm_path).save_pretrained(tmp_path / "target")
+    save_drafter(llama(1, TARGET_VOCAB), str(tmp_path / "target"), None, tmp_path / "finetuned")
+    assert export_drafter(str(tmp_path / "finetuned"), str(tmp_path / "target"), tmp_path / "export", 3) is None
+    assert {p.name for p in (tmp_path / "export").iterdir()}.isdisjoint({VLLM_DIR, "modeling_specdraft.py"})
+    assert isinstance(AutoModelForCausalLM.from_pretrained(tmp_path / "export"), LlamaForCausalLM)
+
+
+@pytest.mark.slow
+def test_export_stage_writes_a_servable_folder_whose_readme_snippet_runs(smollm_path, runs_dir, tmp_path):
+    """`make export` on the ci recipe (SmolLM2-135M) with a random reduced-vocabulary tiny-ci drafter as the
+    finetune's: the smoke check passes, the manifest reports it, and the README's transformers snippet runs as
+    written in a fresh process."""
+    from pipeline.models.drafter import build_drafter
+
+    base = ["recipe=ci", f"paths.runs_dir={runs_dir}", "drafter.reduced_vocab=2000", "export.num_prompts=3"]
+    cfg = compose_config(base)
+    tokenizer = AutoTokenizer.from_pretrained(smollm_path)
+    counts = torch.bincount(torch.tensor(tokenizer("Guten Morgen, the quick brown fox. " * 50).input_ids),
+                            minlength=TARGET_VOCAB)
+    vocab = VocabMap.most_frequent(counts, 2000, always=tokenizer.all_special_ids)
+    for stage in ("distill", "pretrain", "finetune"):  # what `make finetune` leaves
+        directory = stage_dir(cfg, stage, check_inputs=False)
+        assert directory.begin(cfg)
+        if stage == "finetune":
+            save_drafter(build_drafter(cfg.drafter, smollm_path, vocab, seed=0)[0], smollm_path, vocab,
+                         directory.path / "drafter")
+        directory.finish(cfg, {})
+
+    assert cli.main(["export", *base]) == 0
+    out = stage_dir(cfg, "export").path
+    manifest = json.loads((out / "manifest.json").read_text())
+    smoke = manifest["counts"]["smoke_check"]
+    assert smoke["greedy"]["exact"] == smoke["greedy"]["outputs_checked"] == 3 and not smoke["greedy"]["mismatches"]
+    assert smoke["t1"]["within_noise"] and smoke["t1"]["tau_hf"] >= 1
+    assert manifest["counts"]["vllm"]["speculative_config"]["use_heterogeneous_vocab"] is True
+    readme = (out / "drafter" / "README.md").read_text()
+    snippet = readme.split("```python\n")[1].split("```")[0]
+    result = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "use_heterogeneous_vocab" in readme and "trust_remote_code=True" in readme
+    shutil.rmtree(out / "drafter")  # a rerun of a complete export is skipped
+    assert cli.main(["export", *base]) == 0 and not (out / "drafter").exists()
+
+
+def test_make_export_runs_the_export_command_for_the_pair():
+    result = subprocess.run(["make", "-o", "install", "-n", "export", "LANG=fr-en"], cwd=REPO_ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    assert "-m pipeline export recipe=local lang=fr-en" in result.stdout
