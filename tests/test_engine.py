@@ -18,7 +18,7 @@ from pipeline.speculative.engine import (
     predicted_speedup,
 )
 from pipeline.speculative.metrics import alpha_from_tau
-from pipeline.speculative.sampler import Sampling
+from pipeline.speculative.sampler import Sampling, probabilities
 from test_sampler import assert_follows  # tests/ is on sys.path (pytest's rootdir-relative imports)
 
 VOCAB = 64
@@ -196,10 +196,12 @@ SAMPLES = 12_000
 
 
 @pytest.mark.slow  # SAMPLES generations each
-@pytest.mark.parametrize("variant", ["fixed_k", "confidence_cut", "lookup_then_model"])
+@pytest.mark.parametrize("variant", ["fixed_k", "confidence_cut", "lookup_then_model", "top_k_top_p"])
 def test_reduced_vocab_drafter_sampling_is_target_distribution(variant):
     """First two emitted tokens at T=1 over many seeds, against the target's exact two-token distribution:
-    with K drafts per round, with a dynamic draft length, and with prompt lookup in the rounds it matches."""
+    with K drafts per round, with a dynamic draft length, with prompt lookup in the rounds it matches, and
+    with top-k and top-p shaping both distributions (the drafter's over its own ids)."""
+    sampling = Sampling(1.0, top_k=6, top_p=0.85) if variant == "top_k_top_p" else Sampling(1.0)
     vocab = 8
     target_model = llama(0, vocab=vocab, hidden=16)
     vocab_map = VocabMap(torch.tensor([0, 2, 3, 6]), vocab)
@@ -211,8 +213,9 @@ def test_reduced_vocab_drafter_sampling_is_target_distribution(variant):
         drafter = LookupThenModelDrafter(PromptLookupDrafter(vocab), drafter)
     prompt = torch.tensor([[1, 2, 3, 2]])  # "2" recurs: lookup drafts "3 2" in the first round
     with torch.inference_mode():
-        first = torch.softmax(target_model(input_ids=prompt).logits[0, -1], -1)
-        second = torch.softmax(target_model(input_ids=torch.cat([prompt.repeat(vocab, 1), torch.arange(vocab)[:, None]], 1)).logits[:, -1], -1)
+        first = probabilities(target_model(input_ids=prompt).logits[0, -1], sampling)
+        second = probabilities(target_model(input_ids=torch.cat([prompt.repeat(vocab, 1), torch.arange(vocab)[:, None]], 1)).logits[:, -1],
+                               sampling)
     expected = (first[:, None] * second).flatten().double()
     target = CachedModel(target_model)
     g = torch.Generator().manual_seed(0)
@@ -221,7 +224,7 @@ def test_reduced_vocab_drafter_sampling_is_target_distribution(variant):
     torch.set_num_threads(1)  # models this tiny decode ~5x faster on one thread than on two busy cores
     try:
         for _ in range(SAMPLES):  # three tokens: the first round drafts two
-            out = generate(target, prompt, 3, NO_STOP, Sampling(1.0), drafter=drafter, k=2, generator=g)
+            out = generate(target, prompt, 3, NO_STOP, sampling, drafter=drafter, k=2, generator=g)
             samples.append(out.tokens[0] * vocab + out.tokens[1])
             first_round_drafts.add(out.drafted[0])
     finally:

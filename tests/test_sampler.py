@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from pipeline.models.vocab import VocabMap
 from pipeline.speculative.sampler import Sampling, probabilities, sample, verify, verify_greedy
 
 N = 200_000
@@ -142,3 +143,39 @@ def test_verify_greedy_is_verify_on_one_hot_distributions():
     actual = verify_greedy(drafts, target_logits)
     assert torch.equal(expected[0], actual[0]) and torch.equal(expected[1], actual[1])
     assert (actual[0] < k).any() and (actual[0] == k).any()
+
+
+def expand(probs: torch.Tensor, vocab_map: VocabMap) -> torch.Tensor:
+    """A distribution over the map's N ids as the target-wide one it stands for (zero off the map)."""
+    return probs.new_zeros((*probs.shape[:-1], vocab_map.target_vocab_size)).index_copy(-1, vocab_map.target_ids, probs)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.7, top_k=5), Sampling(1.0, top_p=0.8),
+                                      Sampling(1.3, top_k=9, top_p=0.6), Sampling(1.0, top_k=40)])
+def test_probabilities_over_a_maps_ids_are_the_expanded_ones(sampling):
+    """Temperature, top-k (also wider than the map) and top-p shape a reduced drafter's N logits exactly
+    as they shape its logits expanded to the target vocabulary (-inf off the map)."""
+    g = torch.Generator().manual_seed(4)
+    vocab_map = VocabMap(torch.randperm(30, generator=g)[:12], 30)
+    logits = torch.randn(3, vocab_map.drafter_vocab_size, generator=g) * 3  # the last column: the unk id
+    reduced = probabilities(logits[..., : vocab_map.unk_id], sampling)
+    torch.testing.assert_close(expand(reduced, vocab_map), probabilities(vocab_map.expand_logits(logits), sampling))
+
+
+def test_verify_over_a_maps_ids_equals_verify_over_the_expanded_draft():
+    """Given the same random draws, the reduced-vocabulary path (draft over the map's N ids) accepts and emits
+    exactly what the target-wide path does with the draft expanded to V (zeros off the map)."""
+    g = torch.Generator().manual_seed(5)
+    vocab = 40
+    for trial in range(200):
+        batch, k = 8, int(torch.randint(0, 6, (1,), generator=g))
+        vocab_map = VocabMap(torch.randperm(vocab, generator=g)[: int(torch.randint(1, vocab, (1,), generator=g))], vocab)
+        dtype = (torch.float32, torch.float64)[trial % 2]
+        target = random_dist(g, (batch, k + 1, vocab), sparsity=float(torch.rand(1, generator=g))).to(dtype)
+        draft = random_dist(g, (batch, k, len(vocab_map.target_ids)), sparsity=float(torch.rand(1, generator=g))).to(dtype)
+        columns = sample(draft.reshape(-1, draft.shape[-1]), g).reshape(batch, k) if k else torch.zeros(batch, 0, dtype=torch.long)
+        drafts = vocab_map.target_ids[columns]
+        seed = int(torch.randint(0, 2**31, (1,), generator=g))
+        reduced = verify(drafts, draft, target, torch.Generator().manual_seed(seed), vocab_map)
+        full_width = verify(drafts, expand(draft, vocab_map), target, torch.Generator().manual_seed(seed))
+        assert torch.equal(reduced[0], full_width[0]) and torch.equal(reduced[1], full_width[1]), trial

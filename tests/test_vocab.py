@@ -15,6 +15,7 @@ def test_most_frequent_keeps_special_ids_and_round_trips(tmp_path):
     assert vocab.target_ids.tolist() == [0, 3, 6, 1]
     assert vocab.drafter_vocab_size == 5 and vocab.unk_id == 4
     assert vocab.encode(torch.tensor([3, 2, 0])).tolist() == [1, 4, 0]
+    assert vocab.decode(torch.tensor([1, 0, 3])).tolist() == [3, 0, 1]
     assert vocab.coverage(counts) == pytest.approx(21 / 25)
     vocab.save(tmp_path)
     loaded = VocabMap.load(tmp_path)

@@ -39,7 +39,7 @@ class VocabMap:
         self.to_drafter[self.target_ids] = torch.arange(len(self.target_ids))
 
     def to(self, device: torch.device) -> "VocabMap":
-        """Move the map to the drafter's device (in place): encode and expand_logits then copy nothing."""
+        """Move the map to the drafter's device (in place): encode, decode and expand_logits then copy nothing."""
         self.target_ids, self.to_drafter = self.target_ids.to(device), self.to_drafter.to(device)
         return self
 
@@ -54,6 +54,10 @@ class VocabMap:
     def encode(self, target_token_ids: torch.Tensor) -> torch.Tensor:
         """Target ids -> drafter input ids (unmapped tokens become ``unk_id``)."""
         return self.to_drafter.to(target_token_ids.device)[target_token_ids]
+
+    def decode(self, drafter_token_ids: torch.Tensor) -> torch.Tensor:
+        """Drafter ids the drafter proposes (< N) -> target ids."""
+        return self.target_ids.to(drafter_token_ids.device)[drafter_token_ids]
 
     def expand_logits(self, drafter_logits: torch.Tensor) -> torch.Tensor:
         """Drafter logits (..., N+1) -> target-vocab logits (..., V), -inf off the mapped ids."""

@@ -5,7 +5,9 @@ drafts in ONE forward pass (K+1 logits), ``sampler.verify`` accepts a prefix and
 and both caches are cropped back to the accepted prefix. Target-only decoding is the same loop with no
 drafter (K=0), so speedups compare like with like. Batch size 1; the sampler itself is batched.
 
-All ids are target-vocabulary ids; a reduced-vocabulary drafter translates at its boundary (VocabMap).
+All ids are target-vocabulary ids; a reduced-vocabulary drafter translates at its boundary (VocabMap)
+and keeps its distributions over its own N ids: at T>0 nothing target-wide is made per draft position
+(the sampler reads the draft at the drafted ids and builds one target-wide residual per round).
 Every tensor the loop makes lives on the prompt's device (the models' and caches' device), and every
 timer reads ``pipeline.device.clock``, which waits for that device's queued work first.
 """
@@ -17,6 +19,7 @@ import copy
 import functools
 import statistics
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache, StopStringCriteria, StoppingCriteriaList
@@ -43,12 +46,18 @@ class CachedModel:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, keep: int) -> torch.Tensor:
-        """Feed (1, n) target ids; return the target-vocabulary logits (1, keep, V) of the last ``keep`` positions."""
+        """Feed (1, n) target ids; return the logits of the last ``keep`` positions over the ids the model can
+        propose: (1, keep, V), or (1, keep, N) over a vocabulary map's ids (its input-only unk id left out)."""
         ids = self.vocab_map.encode(tokens) if self.vocab_map is not None else tokens
         logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=keep).logits
+        if self.vocab_map is not None:
+            logits = logits[..., : self.vocab_map.unk_id]
         self.length += tokens.shape[1]
-        logits = logits.float()
-        return self.vocab_map.expand_logits(logits) if self.vocab_map is not None else logits
+        return logits.float()
+
+    def target_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Columns of ``forward``'s logits -> target ids."""
+        return self.vocab_map.decode(columns) if self.vocab_map is not None else columns
 
     def feed(self, sequence: torch.Tensor, extra: torch.Tensor | None = None, keep: int = 1) -> torch.Tensor:
         """Feed the part of ``sequence`` not cached yet (plus ``extra`` tokens); logits of the last ``keep``."""
@@ -62,6 +71,14 @@ class CachedModel:
         drop = max(self.length - length, 0)
         self.cache.crop(-drop)  # crop(0) also trims sliding-window layers back to their window
         self.length -= drop
+
+
+class Draft(NamedTuple):
+    """A round's proposal: what every drafter's ``propose`` returns."""
+
+    tokens: torch.Tensor  # (1, n) target ids, n <= K
+    probs: torch.Tensor | None = None  # (1, n, V) the drafter's distributions, None when greedy; (1, n, N) with vocab_map
+    vocab_map: VocabMap | None = None  # probs' columns are this map's N target ids
 
 
 class ModelDrafter:
@@ -80,8 +97,8 @@ class ModelDrafter:
     def reset(self) -> None:
         self.lm.reset()
 
-    def propose(self, sequence, k, sampling, generator):
-        """(draft_tokens (1, n), draft_probs (1, n, V) or None when greedy), n <= k."""
+    def propose(self, sequence, k, sampling, generator) -> Draft:
+        """Up to k drafts, sampled from the drafter's distribution over its own vocabulary."""
         tokens, probs = [], []
         logits = self.lm.feed(sequence)[:, -1]
         for i in range(k):
@@ -91,17 +108,16 @@ class ModelDrafter:
                 if confidence < self.min_confidence:
                     break
             if distribution is None:
-                token = logits.argmax(-1)
+                column = logits.argmax(-1)
             else:
                 probs.append(distribution)
-                token = sample(distribution, generator)
-            tokens.append(token)
+                column = sample(distribution, generator)
+            tokens.append(self.lm.target_ids(column))
             if i < k - 1:
-                logits = self.lm.forward(token[:, None], keep=1)[:, -1]
+                logits = self.lm.forward(tokens[-1][:, None], keep=1)[:, -1]
         if not tokens:
-            return sequence.new_zeros((1, 0)), None
-        draft_probs = torch.stack(probs, dim=1) if probs else None
-        return torch.stack(tokens, dim=1), draft_probs
+            return Draft(sequence.new_zeros((1, 0)))
+        return Draft(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, self.lm.vocab_map)
 
     def rollback(self, length: int) -> None:
         self.lm.rollback(length)
@@ -131,8 +147,8 @@ class PromptLookupDrafter:
                 break
         tokens = torch.tensor([draft], dtype=torch.long, device=sequence.device)
         if sampling.greedy:
-            return tokens, None
-        return tokens, torch.nn.functional.one_hot(tokens, self.vocab_size).float()
+            return Draft(tokens)
+        return Draft(tokens, torch.nn.functional.one_hot(tokens, self.vocab_size).float())
 
     def rollback(self, length: int) -> None:
         pass
@@ -151,9 +167,9 @@ class LookupThenModelDrafter:
         self.model.reset()
 
     def propose(self, sequence, k, sampling, generator):
-        tokens, probs = self.lookup.propose(sequence, k, sampling, generator)
-        if tokens.shape[1] > 0:
-            return tokens, probs
+        draft = self.lookup.propose(sequence, k, sampling, generator)
+        if draft.tokens.shape[1] > 0:
+            return draft
         return self.model.propose(sequence, k, sampling, generator)
 
     def rollback(self, length: int) -> None:
@@ -229,17 +245,15 @@ def generate(
     while len(result.tokens) < max_new_tokens:
         # Never draft past max_new_tokens: the round's bonus token is the last one allowed.
         k_round = min(k, max_new_tokens - len(result.tokens) - 1) if drafter is not None else 0
-        if k_round > 0:
-            drafts, draft_probs = drafter.propose(sequence, k_round, sampling, generator)
-        else:
-            drafts, draft_probs = sequence.new_zeros((1, 0)), None
+        draft = drafter.propose(sequence, k_round, sampling, generator) if k_round > 0 else Draft(sequence.new_zeros((1, 0)))
+        drafts = draft.tokens
         target_logits = target.feed(sequence, drafts, keep=drafts.shape[1] + 1)
         if sampling.greedy:
             num_accepted, next_token = verify_greedy(drafts, target_logits)
         else:
-            if draft_probs is None:
-                draft_probs = target_logits.new_zeros((1, 0, target_logits.shape[-1]))
-            num_accepted, next_token = verify(drafts, draft_probs, probabilities(target_logits, sampling), generator)
+            draft_probs = draft.probs if draft.probs is not None else target_logits.new_zeros((1, 0, target_logits.shape[-1]))
+            num_accepted, next_token = verify(drafts, draft_probs, probabilities(target_logits, sampling), generator,
+                                              draft.vocab_map)
         n = int(num_accepted[0])
         new = torch.cat([drafts[:, :n], next_token[:, None]], dim=1)
         target.rollback(sequence.shape[1] + n)

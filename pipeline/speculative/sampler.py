@@ -8,6 +8,10 @@ Notation: ``target_probs`` is the target's distribution (the paper's q), ``draft
     all K accepted:        emit the bonus token x ~ target_{K+1}
 
 Temperature, top-k and top-p shape both distributions identically (``probabilities``) before this.
+A reduced-vocabulary drafter's distribution stays over its own N mapped ids (``vocab_map``): it is zero on
+every other target id, so the acceptance test reads it at the drafted ids' columns, and the residual
+max(0, target − draft) is the target's own probability off the map; only the one row sampled from is
+target-wide.
 Greedy decoding (T=0) is the limit of one-hot distributions: the drafted token is accepted iff it is
 the target's argmax, and a rejection emits the target's argmax; ``verify_greedy`` computes exactly
 that from argmaxes without building one-hot tensors (tests check the two agree).
@@ -18,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from pipeline.models.vocab import VocabMap
 
 
 @dataclass(frozen=True)
@@ -56,9 +62,10 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
 
 def verify(
     draft_tokens: torch.Tensor,  # (B, K) the drafted ids
-    draft_probs: torch.Tensor,  # (B, K, V) the drafter's distribution at each drafted position
+    draft_probs: torch.Tensor,  # (B, K, V) the drafter's distribution at each drafted position; (B, K, N) with vocab_map
     target_probs: torch.Tensor,  # (B, K+1, V) the target's distribution at the K positions and the bonus one
     generator: torch.Generator | None = None,
+    vocab_map: VocabMap | None = None,  # draft_probs' columns are this map's N target ids
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Algorithm 2's acceptance step. Returns (num_accepted (B,), next_token (B,)).
 
@@ -67,7 +74,8 @@ def verify(
     batch, k = draft_tokens.shape
     rows = torch.arange(batch, device=target_probs.device)
     target_at_draft = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
-    draft_at_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    draft_columns = vocab_map.encode(draft_tokens) if vocab_map is not None else draft_tokens
+    draft_at_draft = draft_probs.gather(-1, draft_columns[..., None]).squeeze(-1)
     u = torch.rand(batch, k, generator=generator, dtype=target_probs.dtype, device=target_probs.device)
     accepted = u * draft_at_draft < target_at_draft  # u < min(1, target/draft), without dividing by zero
     num_accepted = accepted.long().cumprod(-1).sum(-1)  # leading run of acceptances
@@ -77,10 +85,14 @@ def verify(
     target_next = target_probs[rows, num_accepted]
     if k == 0:
         return num_accepted, sample(target_next, generator)
-    residual = (target_probs[rows, position] - draft_probs[rows, position]).clamp(min=0)
+    target_there, draft_there = target_probs[rows, position], draft_probs[rows, position]
+    if vocab_map is None:
+        residual = (target_there - draft_there).clamp(min=0)
+    else:  # the same numbers as subtracting the draft expanded to V with zeros
+        residual = target_there.index_add(-1, vocab_map.target_ids.to(draft_there.device), draft_there, alpha=-1).clamp(min=0)
     mass = residual.sum(-1, keepdim=True)
     # A rejection has probability 0 when target == draft; rounding can still produce one: use the target.
-    residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), target_probs[rows, position])
+    residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), target_there)
     rejected = (num_accepted < k)[:, None]
     return num_accepted, sample(torch.where(rejected, residual, target_next), generator)
 
