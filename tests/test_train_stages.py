@@ -339,7 +339,8 @@ def test_user_error_inside_an_accelerate_worker_ends_the_stage_in_one_line(gemma
 def test_finetune_with_on_policy_alignment_after_sft(distilled):
     """The phase inside the stage on the ci recipe (full-vocabulary drafter): SFT, then rounds of drafter
     rollouts scored by the SmolLM2 target, each checkpointed and logged with the held-out estimate."""
-    args = overrides(distilled, "train.finetune.log_every=1", "train.finetune.on_policy.enabled=true",
+    # run=on-policy: the session's plain finetune of the same prompts lives beside it
+    args = overrides(distilled, "run=on-policy", "train.finetune.log_every=1", "train.finetune.on_policy.enabled=true",
                      "train.finetune.on_policy.rounds=2", "train.finetune.on_policy.steps_per_round=3",
                      "train.finetune.on_policy.batch_size=4", "train.finetune.on_policy.heldout_prompts=2")
     assert cli(["finetune", *args]) == 0

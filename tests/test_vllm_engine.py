@@ -88,14 +88,14 @@ def test_greedy_divergence_fails_with_a_clear_margin_and_is_a_tie_without(smollm
 
     answers = iter([[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 4]])  # target server's two prompts, then speculative's
 
-    def decode_all(server, cfg, prompts, blocks):
+    def decode_all(server, cfg, prompts, blocks, stop_ids):
         generations = [Completion(tokens=next(answers), finish_reason="length", seconds=0.5, text="x") for _ in prompts["de-en"]]
         counters = {"before": parse_counters(""), "after": {"drafts": 2.0, "draft_tokens": 8.0, "accepted": 4.0,
                                                               "accepted_per_position": [2.0, 1.0, 1.0, 0.0]}}
         counters["before"]["accepted_per_position"] = [0.0] * 4
         return {blocks[0]: {"generations": generations, "requests": 2, "counters": counters}}
 
-    monkeypatch.setattr(vllm_engine, "serve", lambda *a: Server())
+    monkeypatch.setattr(vllm_engine, "target_server", lambda *a: Server())
     asked = []
 
     def request(server, path, body=None):
