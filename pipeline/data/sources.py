@@ -153,11 +153,12 @@ def load_sources(cfg: DictConfig) -> tuple[list[Example], list[Example]]:
         from datasets import get_dataset_split_names
 
         splits = get_dataset_split_names(hub.dataset, hub.subset)
-        for key, split in (("split", hub.split), ("heldout_split", heldout_split(hub, splits))):
+        held_out = heldout_split(hub, splits)
+        for key, split in (("split", hub.split), ("heldout_split", held_out)):
             if split not in splits:
                 raise ConfigError(f"lang.hub.{key}={split}: {hub.dataset} {hub.subset} has the splits {', '.join(splits)}")
         train = [ex for ex in _hub_examples(cfg, hub.split, data.max_train_prompts) if within_length(ex, data)]
-        heldout = [ex for ex in _hub_examples(cfg, heldout_split(hub, splits), data.heldout_max) if within_length(ex, data)]
+        heldout = [ex for ex in _hub_examples(cfg, held_out, data.heldout_max) if within_length(ex, data)]
         return train, heldout
     heldout_fraction = data.heldout_fraction
     if data.sources == SourceKind.offline:

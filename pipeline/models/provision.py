@@ -106,7 +106,7 @@ STAND_IN_SHAPE = dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=
 def model_path(model: DictConfig, models_dir: str | Path) -> str:
     """A path or hub id that ``from_pretrained`` (and vLLM) can load, converting a packaged GGUF once."""
     source = weights_path(model, models_dir)
-    return stand_in(source, model.name, models_dir) if model.get("stand_in") else source
+    return stand_in(source, model.name, models_dir) if model.stand_in else source
 
 
 def stand_in(source: str, name: str, models_dir: str | Path) -> str:
