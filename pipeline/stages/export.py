@@ -125,7 +125,11 @@ def smoke_check(cfg: DictConfig, target_path: str, finetuned: str, folder, devic
     write_jsonl(out_dir / SAMPLES, rows)
     return {"prompts": len(rows), "greedy": gate.summary(), "t1": compare_tau(rows, ev.num_draft_tokens),
             "K": ev.num_draft_tokens, "max_new_tokens": ev.max_new_tokens, "seeds": list(ev.seeds),
-            "example_prompt": rows[0]["prompt"], "environment": environment(device)}, gate
+            "example_prompt": rows[0]["prompt"],
+            # the snippet's tokenizer call gives prompts.prompt_ids' one BOS: no second one after a template's own
+            "example_add_special_tokens": prompt_ids(rows[0]["prompt"], tokenizer) != tokenizer(
+                rows[0]["prompt"], add_special_tokens=False).input_ids,
+            "environment": environment(device)}, gate
 
 
 def compare_tau(rows: list[dict], k: int) -> dict:
@@ -168,7 +172,8 @@ def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
         f'tokenizer = AutoTokenizer.from_pretrained("{target_path}")',
         f'target = AutoModelForCausalLM.from_pretrained("{target_path}", dtype=torch.{dtype}).to(device)',
         f'drafter = AutoModelForCausalLM.from_pretrained("{folder}"{remote}, dtype=torch.{dtype}).to(device)',
-        f'inputs = tokenizer({prompt}, return_tensors="pt").to(device)',
+        f'inputs = tokenizer({prompt}, add_special_tokens={smoke["example_add_special_tokens"]}, '
+        'return_tensors="pt").to(device)',
         f"out = target.generate(**inputs, assistant_model=drafter, max_new_tokens={cfg.eval.max_new_tokens}, "
         "do_sample=False)",
         'print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
