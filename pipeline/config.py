@@ -8,6 +8,7 @@ primary configs (complete named experiments) selected with ``recipe=NAME``.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass, field, fields
 from enum import Enum
@@ -21,9 +22,15 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CONF_DIR = REPO_ROOT / "conf"
-RECIPES_DIR = REPO_ROOT / "recipes"
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PACKAGE_DIR.parent
+# The shipped configs; pipeline/conf and pipeline/recipes link to the top-level folders, so a wheel carries them.
+CONF_DIR = PACKAGE_DIR / "conf"
+RECIPES_DIR = PACKAGE_DIR / "recipes"
+# A user's config directory, laid out like conf/ (target/, lang/, drafter/, ...) plus an optional recipes/:
+# its files add to the shipped ones and, under the same name, replace them. `specdraft --config-dir` sets it,
+# so child processes (accelerate workers, Slurm jobs) see the same configs.
+USER_CONFIG_ENV = "SPECDRAFT_CONFIG_DIR"
 DEFAULT_RECIPE = "local"
 DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")  # eval.device
 RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
@@ -52,8 +59,8 @@ class SourceKind(str, Enum):
 
 
 class LoggerBackend(str, Enum):
-    wandb = "wandb"
-    none = "none"
+    wandb = "wandb"  # one wandb run per stage (offline unless WANDB_MODE says otherwise)
+    none = "none"  # no tracker: metrics stay in the stage folders
 
 
 class FinetuneMode(str, Enum):
@@ -63,14 +70,14 @@ class FinetuneMode(str, Enum):
 
 class Divergence(str, Enum):
     total_variation = "total_variation"  # 1 - the acceptance rate of a T=1 draft
-    forward_kl = "forward_kl"
-    jsd = "jsd"
+    forward_kl = "forward_kl"  # KL(target || drafter) on the drafter's map (the off-map term does not depend on it)
+    jsd = "jsd"  # Jensen-Shannon divergence: symmetric, bounded
 
 
 class Loss(str, Enum):
-    ce = "ce"
-    kd_forward_kl = "kd_forward_kl"
-    kd_total_variation = "kd_total_variation"
+    ce = "ce"  # cross-entropy on the target's sampled tokens
+    kd_forward_kl = "kd_forward_kl"  # forward KL to the target's stored top logprobs (distill.top_logprobs > 0)
+    kd_total_variation = "kd_total_variation"  # total variation to the stored top logprobs
 
 
 @dataclass
@@ -79,37 +86,40 @@ class TargetConfig:
     source: ModelSource = MISSING
     path: str = MISSING  # hub id, local folder, or (gguf_package) the import name of the package
     gguf_file: Optional[str] = None  # file inside the package; None: the package's single .gguf
-    revision: Optional[str] = None
+    revision: Optional[str] = None  # hub revision (branch, tag or commit) of a hub target
+    # weights' dtype in eval and (unless distill.server.dtype) in vLLM: float32 | bfloat16 | float16
     dtype: str = "float32"
     prompt_format: PromptFormat = PromptFormat.completion
+    # the translation request; {src_name} {tgt_name} {text} are filled in
     instruction: str = "Translate {src_name} to {tgt_name}: {text}"
+    # completion prompts: appended after the instruction, the answer follows it
     completion_suffix: str = "\n{tgt_name}:"
-    system_prompt: Optional[str] = None
+    system_prompt: Optional[str] = None  # chat prompts: a system turn before the request (None: none)
     chat_template: Optional[str] = None  # overrides the tokenizer's (Vicuna ships none)
     stop: Optional[list[str]] = None  # stop strings; None: a newline for completion prompts, none for chat
     stop_tokens: list[str] = field(default_factory=list)  # special tokens that end an answer besides EOS
     add_bos_token: Optional[bool] = None  # force the converted tokenizer to add BOS (Gemma needs it)
-    max_model_len: int = 2048
+    max_model_len: int = 2048  # context length vLLM serves (--max-model-len)
     # dry runs: a tiny random-init model of this architecture, with the real tokenizer, replaces the weights
     stand_in: bool = False
 
 
 @dataclass
 class DrafterConfig:
-    name: str = MISSING
+    name: str = MISSING  # short id, used in run-directory paths
     source: ModelSource = ModelSource.init
     path: Optional[str] = None  # for hub/local drafters
     architecture: str = "llama"  # transformers model_type used when source=init
-    hidden_size: int = 256
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: Optional[int] = None
-    head_dim: Optional[int] = None
-    intermediate_size: int = 1024
-    hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = True
+    hidden_size: int = 256  # source=init: width
+    num_layers: int = 2  # source=init: transformer layers
+    num_heads: int = 4  # source=init: attention heads
+    num_kv_heads: Optional[int] = None  # source=init: key/value heads (None: num_heads)
+    head_dim: Optional[int] = None  # source=init: per-head width (None: hidden_size / num_heads)
+    intermediate_size: int = 1024  # source=init: MLP width
+    hidden_act: str = "silu"  # source=init: MLP activation
+    rms_norm_eps: float = 1e-6  # source=init: RMSNorm epsilon
+    max_position_embeddings: int = 2048  # source=init: longest sequence
+    tie_word_embeddings: bool = True  # source=init: the output layer shares the embedding matrix
     # Predict only the N most frequent target token ids of the training data (None: full vocab).
     reduced_vocab: Optional[int] = None
     # source=init: embedding rows start from the target's own, projected to hidden_size (principal directions)
@@ -120,27 +130,27 @@ class DrafterConfig:
 class HubSourceConfig:
     dataset: Optional[str] = None  # e.g. wmt/wmt16
     subset: Optional[str] = None  # e.g. de-en
-    split: str = "train"
+    split: str = "train"  # the training prompts' split
     heldout_split: Optional[str] = None  # the held-out prompts' split; None: test, else validation (wmt19 zh-en)
     file: Optional[str] = None  # for languages distributed outside the hub (JParaCrawl)
     # a TSV file's 0-based columns of the source and the reference (None: src<TAB>ref)
     src_column: Optional[int] = None
-    ref_column: Optional[int] = None
+    ref_column: Optional[int] = None  # see src_column
 
 
 @dataclass
 class TranslationExample:
-    src: str = MISSING
-    tgt: str = MISSING
+    src: str = MISSING  # a sentence in the source language
+    tgt: str = MISSING  # its translation
 
 
 @dataclass
 class LangConfig:
     pair: str = MISSING  # as the user writes it: de-en
-    src: str = MISSING
-    tgt: str = MISSING
-    src_name: str = MISSING
-    tgt_name: str = MISSING
+    src: str = MISSING  # source language code (de)
+    tgt: str = MISSING  # target language code (en)
+    src_name: str = MISSING  # source language's name in the prompt (German)
+    tgt_name: str = MISSING  # target language's name (English)
     hub: HubSourceConfig = field(default_factory=HubSourceConfig)
     # hand-written sentence pairs: the worked examples of back-translation's few-shot prompt
     examples: list[TranslationExample] = field(default_factory=list)
@@ -149,70 +159,74 @@ class LangConfig:
 @dataclass
 class CorpusConfig:
     name: str = MISSING  # sharegpt | c4
-    weight: float = 1.0
+    weight: float = 1.0  # share in the interleaved mixture
     hub_dataset: Optional[str] = None  # c4: allenai/c4 (streaming)
-    hub_subset: Optional[str] = None
+    hub_subset: Optional[str] = None  # c4: en
 
 
 @dataclass
 class DataConfig:
     sources: SourceKind = SourceKind.offline
     source_file: Optional[str] = None  # for sources=file: JSONL {"src":..,"ref":..} or TSV src<TAB>ref
-    min_chars: int = 20
-    max_chars: int = 400
+    min_chars: int = 20  # shortest source segment kept
+    max_chars: int = 400  # longest source segment kept
+    # offline and file sources (hub ones have a held-out split): share of the prompts held out
     heldout_fraction: float = 0.15
-    heldout_max: int = 100
-    max_train_prompts: Optional[int] = None
+    heldout_max: int = 100  # at most this many held-out prompts
+    max_train_prompts: Optional[int] = None  # cap on training prompts (None: all)
     # offline sources: this many ShareGPT segments in the target language, translated into the source
     # language by the target itself (pipeline/data/back_translation.py), become extra training prompts
     back_translation: int = 0
+    # pretraining mixture (c4, sharegpt), interleaved by weight
     pretrain_corpora: list[CorpusConfig] = field(default_factory=lambda: [CorpusConfig(name="sharegpt")])
-    pretrain_max_documents: Optional[int] = None
+    pretrain_max_documents: Optional[int] = None  # cap on pretraining documents (None: the token budget decides)
 
 
 @dataclass
 class ServerConfig:
     url: Optional[str] = None  # an external OpenAI-compatible endpoint; None: start vLLM here
     api_key: Optional[str] = None  # for an external endpoint; None: $OPENAI_API_KEY
-    startup_timeout_s: float = 600.0
-    dtype: Optional[str] = None  # None: target.dtype (vLLM's auto would serve float32 and float16 configs in half precision)
+    startup_timeout_s: float = 600.0  # how long to wait for the local vLLM server
+    # None: target.dtype (vLLM's auto would serve float32 and float16 configs in half precision)
+    dtype: Optional[str] = None
     tensor_parallel: int = 1  # GPUs per replica (--tensor-parallel-size): a target larger than one GPU
     # replicas (vLLM's --data-parallel-size, one endpoint balancing requests over them); auto: every visible GPU
     data_parallel: Any = 1
     port: Optional[int] = None  # preferred port of the local server; None (or taken): a free one
     cpu_kvcache_gb: int = 2  # VLLM_CPU_KVCACHE_SPACE of the CPU build
     enforce_eager: bool = True  # no graph capture: right on CPU; GPU recipes set false for CUDA graphs
-    extra_args: list[str] = field(default_factory=list)
+    extra_args: list[str] = field(default_factory=list)  # more vllm serve arguments
 
 
 @dataclass
 class DistillConfig:
+    # every prompt is answered at each of these
     temperatures: list[float] = field(default_factory=lambda: [0.0, 0.3, 0.7, 1.0])
-    samples_per_prompt: int = 1
-    max_tokens: int = 256
-    top_logprobs: int = 0
-    concurrency: int = 32
-    request_timeout_s: float = 300.0
-    max_retries: int = 5
-    seed: int = 0
+    samples_per_prompt: int = 1  # answers per prompt and temperature
+    max_tokens: int = 256  # longest answer
+    top_logprobs: int = 0  # store the top-N log-probabilities per token (0: none)
+    concurrency: int = 32  # requests in flight
+    request_timeout_s: float = 300.0  # one request's time limit
+    max_retries: int = 5  # retries of a failed request (transient errors)
+    seed: int = 0  # sampling seed of the requests
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
 @dataclass
 class TrainConfig:
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    warmup_ratio: float = 0.03
-    epochs: float = 1.0
-    max_steps: Optional[int] = None
+    lr: float = 3e-4  # peak learning rate (AdamW, cosine decay)
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_ratio: float = 0.03  # share of the steps spent warming up linearly
+    epochs: float = 1.0  # passes over the data
+    max_steps: Optional[int] = None  # cap on optimizer steps (None: epochs and token_budget decide)
     token_budget: Optional[int] = None  # caps the steps at token_budget / (batch_size * max_length)
     batch_size: int = 8  # sequences per optimizer step over ALL processes: split into grad_accum x num_processes
-    grad_accum: int = 1
-    max_length: int = 512
-    grad_clip: float = 1.0
+    grad_accum: int = 1  # micro-batches per optimizer step
+    max_length: int = 512  # tokens per training sequence
+    grad_clip: float = 1.0  # gradient-norm clip
     mixed_precision: str = "no"  # no | bf16 (accelerate's names)
-    log_every: int = 10
-    save_every: int = 200
+    log_every: int = 10  # steps between logged metrics
+    save_every: int = 200  # steps between checkpoints
     resume: str = "auto"  # auto: continue from the stage's latest checkpoint | never
     launch: str = "single"  # recipes/launch/<launch>.yaml
     # processes over all nodes, or auto: every local GPU (times SLURM_NNODES in a multi-node job), 1 without one
@@ -222,22 +236,24 @@ class TrainConfig:
 @dataclass
 class OnPolicyConfig:
     """On-policy alignment after SFT (pipeline/training/on_policy.py): the drafter drafts, the target scores."""
-    enabled: bool = False
-    rounds: int = 4  # each: steps_per_round rollout -> score -> train steps, then a checkpoint and the held-out estimate
-    steps_per_round: int = 25
+    enabled: bool = False  # run the phase after SFT (off: it did not pay on CPU, docs/results/)
+    # each: steps_per_round rollout -> score -> train steps, then a checkpoint and the held-out estimate
+    rounds: int = 4
+    steps_per_round: int = 25  # optimizer steps per round
     batch_size: int = 16  # rollouts per optimizer step
     rollout_tokens: int = 16  # drafted tokens per rollout (fewer where the drafter ends its answer)
     rollout_temperature: float = 1.0  # 0: greedy rollouts (the states a T=0 decode meets)
     # Rollouts start after a uniformly drawn prefix of the target's distilled answer (else after the prompt)
     from_answer_prefix: bool = True
     divergence: Divergence = Divergence.total_variation
-    lr: float = 1.0e-4
+    lr: float = 1.0e-4  # learning rate of the alignment
     heldout_prompts: int = 16  # distilled prompts neither SFT nor the alignment trains on: the per-round estimate
 
 
 @dataclass
 class FinetuneConfig(TrainConfig):
     mode: FinetuneMode = FinetuneMode.pretrain_finetune
+    # ce: cross-entropy on the target's tokens; kd_*: to stored top-logprobs (distill.top_logprobs)
     loss: Loss = Loss.ce
     # P-F with a reduced vocabulary: re-point the pretrained map's ids unused by this pair's data at the
     # data's frequent unmapped ids (pipeline/models/drafter.py specialize_vocab)
@@ -260,15 +276,15 @@ class EvalConfig:
     num_draft_tokens: int = 4  # K
     # Dynamic draft length: a round's draft stops before a token the drafter gives less probability (0: always K).
     draft_confidence: float = 0.0
-    k_sweep: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8])
-    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 128
-    num_prompts: int = 50
-    repetitions: int = 3
-    warmup: int = 1
+    k_sweep: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8])  # draft lengths of the K sweep
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])  # sampling temperatures measured
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])  # sampling seeds at T>0
+    top_p: float = 1.0  # nucleus sampling of target and drafter (distill uses it too)
+    top_k: int = 0  # top-k sampling (0: off; distill uses it too)
+    max_new_tokens: int = 128  # tokens generated per prompt
+    num_prompts: int = 50  # held-out prompts measured
+    repetitions: int = 3  # timed repetitions per method
+    warmup: int = 1  # untimed runs before timing
     # target (always run: the baseline) | speculative | pld | hybrid (prompt lookup, else the drafter)
     # | hf (transformers generate) | hf_assisted
     methods: list[str] = field(default_factory=lambda: ["target", "speculative", "pld", "hybrid", "hf", "hf_assisted"])
@@ -293,25 +309,25 @@ class ExportConfig:
 
 @dataclass
 class LoggerConfig:
-    backend: LoggerBackend = LoggerBackend.wandb
-    project: str = "specdraft"
-    entity: Optional[str] = None
+    backend: LoggerBackend = LoggerBackend.wandb  # wandb | none
+    project: str = "specdraft"  # wandb project
+    entity: Optional[str] = None  # wandb entity (None: your default)
     mode: str = "offline"  # used unless WANDB_MODE is set
 
 
 @dataclass
 class PathsConfig:
-    runs_dir: str = "runs"
+    runs_dir: str = "runs"  # stage outputs: runs/<target>/<drafter>/...
     models_dir: str = "models"  # offline models converted from GGUF
     cache_dir: str = "runs/cache"  # derived data (offline translation sources)
 
 
 @dataclass
 class Config:
-    recipe: str = MISSING
+    recipe: str = MISSING  # the recipe's name; set by recipe=NAME on the command line, its file sets this field
     run: str = "${recipe}"  # the variant's name in the finetune and eval folders (pipeline/rundir.py)
-    seed: int = 0
-    force: bool = False
+    seed: int = 0  # seeds data order, drafter init and sampling
+    force: bool = False  # redo a stage whose directory is complete for this config
     target: TargetConfig = MISSING
     drafter: DrafterConfig = MISSING
     lang: LangConfig = MISSING
@@ -334,17 +350,46 @@ SCHEMAS = {cls.__name__: cls for cls in (Config, TargetConfig, DrafterConfig, La
 GROUPS = ("target", "drafter", "lang", "data", "distill", "train", "eval", "logger", "paths", "dry_run")
 
 
+def user_config_dir() -> Path | None:
+    value = os.environ.get(USER_CONFIG_ENV)
+    if not value:
+        return None
+    path = Path(value).expanduser().resolve()
+    if not path.is_dir():
+        raise ConfigError(f"config directory {value} ({USER_CONFIG_ENV} or --config-dir) does not exist; "
+                          "create it with the layout of conf/ (target/, lang/, ..., recipes/) or unset it")
+    return path
+
+
+def _group_folders(group: str) -> list[Path]:
+    """Where a group's yaml files live, the user's directory first. ``recipe`` is recipes/, ``launch``
+    recipes/launch/ (accelerate configs)."""
+    shipped = {"recipe": RECIPES_DIR, "launch": RECIPES_DIR / "launch"}.get(group, CONF_DIR / group)
+    user = user_config_dir()
+    return ([user / _user_folder(group)] if user else []) + [shipped]
+
+
+def _user_folder(group: str) -> str:
+    return {"recipe": "recipes", "launch": "recipes/launch"}.get(group, group)
+
+
 def options(group: str) -> list[str]:
-    """The valid options of a config group (``recipe`` lists ``recipes/``)."""
-    folder = RECIPES_DIR if group == "recipe" else CONF_DIR / group
-    return sorted(p.stem for p in folder.glob("*.yaml"))
+    """The valid options of a config group (``recipe`` lists ``recipes/``), the user's directory included."""
+    return sorted({p.stem for folder in _group_folders(group) for p in folder.glob("*.yaml")})
+
+
+def option_file(group: str, name: str) -> Path:
+    """The yaml file of a group's option: the user's directory's if it has one, else the shipped one."""
+    _check_choice(group, name)
+    return next(folder / f"{name}.yaml" for folder in _group_folders(group) if (folder / f"{name}.yaml").is_file())
 
 
 def _check_choice(group: str, choice: str) -> None:
     valid = options(group)
     if choice not in valid:
         hint = " (LANG=… on the make command line)" if group == "lang" else ""
-        raise ConfigError(f"unknown {group} '{choice}'{hint}; valid: {', '.join(valid)}")
+        raise ConfigError(f"unknown {group} '{choice}'{hint}; valid: {', '.join(valid)}; "
+                          f"or write your own as DIR/{_user_folder(group)}/{choice}.yaml and pass --config-dir DIR")
 
 
 def _one_line(exc: BaseException) -> str:
@@ -379,13 +424,16 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
         if key.lstrip("+~") in GROUPS:
             _check_choice(key.lstrip("+~"), value)
         hydra_overrides.append(item)
-    _check_choice("recipe", recipe)
+    recipe_file = option_file("recipe", recipe)
+    # where Hydra finds the recipes a recipe extends and the group files: the user's directory first
+    user = user_config_dir()
+    search = [*([user / "recipes", user] if user else []), RECIPES_DIR, CONF_DIR]
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(recipe_file.parent), version_base="1.3"):
             cfg = compose(
                 config_name=recipe,
-                overrides=[f"hydra.searchpath=[file://{CONF_DIR}]", *hydra_overrides],
+                overrides=[f"hydra.searchpath=[{','.join(f'file://{folder}' for folder in search)}]", *hydra_overrides],
             )
     except MissingConfigException as exc:
         raise ConfigError(_one_line(exc)) from exc
@@ -448,9 +496,8 @@ def validate(cfg: DictConfig) -> None:
             problems.append(f"train.{name}.resume must be auto or never")
         if tc.mixed_precision not in ("no", "bf16", "fp16"):
             problems.append(f"train.{name}.mixed_precision must be one of no, bf16, fp16")
-        if not (RECIPES_DIR / "launch" / f"{tc.launch}.yaml").exists():
-            launches = sorted(p.stem for p in (RECIPES_DIR / "launch").glob("*.yaml"))
-            problems.append(f"train.{name}.launch '{tc.launch}' unknown; valid: {', '.join(launches)}")
+        if tc.launch not in options("launch"):
+            problems.append(f"train.{name}.launch '{tc.launch}' unknown; valid: {', '.join(options('launch'))}")
     op = cfg.train.finetune.on_policy
     if op.enabled and min(op.rounds, op.steps_per_round, op.batch_size, op.rollout_tokens, op.heldout_prompts) < 1:
         problems.append("train.finetune.on_policy: rounds, steps_per_round, batch_size, rollout_tokens and "

@@ -23,7 +23,7 @@ import torch
 import transformers
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.config import CONF_DIR, ConfigError, LangConfig
+from pipeline.config import ConfigError, LangConfig, option_file
 from pipeline.data.sources import load_sources
 from pipeline.prompts import build_prompt, stop_strings, stop_token_ids
 from pipeline.speculative import LosslessError
@@ -52,7 +52,7 @@ def environment(device: torch.device) -> dict:
 def lang_config(cfg: DictConfig, pair: str) -> DictConfig:
     """``cfg`` with another language pair (cross-language matrix mode)."""
     other = cfg.copy()
-    other.lang = OmegaConf.merge(OmegaConf.structured(LangConfig), OmegaConf.load(CONF_DIR / "lang" / f"{pair}.yaml"))
+    other.lang = OmegaConf.merge(OmegaConf.structured(LangConfig), OmegaConf.load(option_file("lang", pair)))
     return other
 
 

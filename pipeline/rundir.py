@@ -22,6 +22,7 @@ A complete stage with the same hash is skipped; one with a different hash is ref
 from __future__ import annotations
 
 import json
+import importlib.metadata
 import os
 import platform
 import socket
@@ -77,6 +78,9 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def git_revision() -> str:
+    """The checkout's commit (``-dirty`` with local changes), or an installed package's version."""
+    if not (REPO_ROOT / ".git").exists():
+        return f"specdraft=={importlib.metadata.version('specdraft')}"
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO_ROOT, capture_output=True, text=True)

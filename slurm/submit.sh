@@ -21,8 +21,10 @@
 #   --train-nodes N       nodes for pretrain and finetune [SPECDRAFT_TRAIN_NODES, default 1]
 #   --time LIMIT          time limit of every job; training requeues itself and resumes [SPECDRAFT_TIME]
 #   --log-dir DIR         job logs [SPECDRAFT_SLURM_LOGS, default runs/slurm]
+#   --config-dir DIR      your own configs, laid out like conf/ [SPECDRAFT_CONFIG_DIR; the jobs inherit it]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+caller=$PWD
 cd "$root"
 
 recipe=${RECIPE:-local}
@@ -46,6 +48,8 @@ while [[ $# -gt 0 ]]; do
         --train-nodes) train_nodes=${2:?--train-nodes needs a value}; shift 2 ;;
         --time) time_limit=${2:?--time needs a value}; shift 2 ;;
         --log-dir) log_dir=${2:?--log-dir needs a value}; shift 2 ;;
+        --config-dir) SPECDRAFT_CONFIG_DIR=$(cd "$caller" && cd "${2:?--config-dir needs a value}" && pwd) || fail "--config-dir $2 does not exist"
+                      export SPECDRAFT_CONFIG_DIR; shift 2 ;;
         -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         recipe=* | lang=*) fail "pass '$1' as --recipe/--langs, not as an override" ;;
         *=*) overrides+=("$1"); shift ;;

@@ -68,3 +68,18 @@ def test_install_refuses_a_venv_of_the_other_build(tmp_path):
                             text=True)
     assert result.returncode != 0 and list(venv.iterdir()) == [venv / ".installed-cpu-dev"]
     assert f"error: {venv} holds another build (cpu-dev); remove it (rm -rf {venv})" in result.stderr
+
+
+def test_config_dir_reaches_the_cli():
+    result = make("-n", "eval", "CONFIG_DIR=/srv/my-configs")
+    assert "-m pipeline --config-dir /srv/my-configs eval recipe=local" in result.stdout
+
+
+def test_help_names_the_variables_a_user_sets():
+    from pipeline.bench import names
+
+    result = make("help")
+    assert result.returncode == 0
+    for variable in ("LANG=", "RECIPE=", "ARGS=", "CONFIG_DIR=", "DEMO_LANGS=", "BENCH=", "EXTRAS=", "TORCH=", "VENV="):
+        assert variable in result.stdout, variable
+    assert " ".join(names()) in result.stdout

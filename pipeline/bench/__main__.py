@@ -3,14 +3,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import pkgutil
 from pathlib import Path
 
 import pipeline.bench
 
 
 def main() -> None:
-    available = sorted(m.name for m in pkgutil.iter_modules(pipeline.bench.__path__) if not m.name.startswith("_"))
+    available = pipeline.bench.names()
     parser = argparse.ArgumentParser(prog="python -m pipeline.bench")
     parser.add_argument("names", nargs="*", choices=[[], *available], metavar="NAME", help=f"one of {available}")
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.config import RECIPES_DIR, Config, ConfigError
+from pipeline.config import Config, ConfigError, option_file
 from pipeline.rundir import StageDir, stage_dir
 from pipeline.tracking import Tracker
 from pipeline.training.loop import EXIT_PREEMPTED
@@ -87,7 +87,7 @@ def accelerate_command(cfg: DictConfig, stage: str, config_file: Path) -> list[s
     tc = cfg.train[stage]
     return [
         sys.executable, "-m", "pipeline.training.launcher",  # accelerate launch, less its traceback
-        "--config_file", str(RECIPES_DIR / "launch" / f"{tc.launch}.yaml"),
+        "--config_file", str(option_file("launch", tc.launch)),
         "--num_processes", str(processes(cfg, stage)),
         *shlex.split(os.environ.get("SPECDRAFT_LAUNCH_ARGS", "")),
         "-m", "pipeline.training.launch", stage, str(config_file),
