@@ -151,13 +151,9 @@ def test_help_text_is_read_from_comments():
     assert docs["target.gguf_file"].type == "str | null" and docs["target.name"].default == "required"
 
 
-@pytest.mark.xfail(strict=True, reason="pipeline/config.py lacks comments on some fields (issue 20: being added); "
-                   "remove this mark once config_reference.missing_help() is empty")
 def test_every_key_has_help_text():
     assert config_reference.missing_help() == []
 
 
-@pytest.mark.xfail(strict=True, reason="some enum values in pipeline/config.py have no comment (Divergence, Loss, "
-                   "LoggerBackend); remove this mark once config_reference.undocumented_values() is empty")
 def test_every_enum_value_is_explained():
     assert config_reference.undocumented_values() == []

@@ -1,4 +1,4 @@
-"""The one definition of the metrics (README "Metrics"), shared by the eval stage and the benchmark.
+"""The one definition of the metrics (docs/metrics.md), shared by the eval stage and the benchmark.
 
 - alpha: accepted drafted tokens / drafted tokens
 - tau: emitted tokens / target forward calls (the bonus token counted: the paper's "mean accepted tokens")
