@@ -236,6 +236,24 @@ def test_reduced_vocab_drafter_sampling_is_target_distribution(variant):
     assert_follows(torch.tensor(samples), expected, max_tv=None)
 
 
+def test_hf_generation_stops_at_a_stop_inside_an_assisted_round():
+    """A stop string among a round's accepted tokens (not its last) ends transformers' generate after that round:
+    no further target forwards (they would be counted in its tau, and their tokens cut)."""
+    target, assistant = llama(0), llama(0)
+    k, reference = 4, full_greedy(llama(0), PROMPT, 20)
+    position = next(i for i in range(k + 2, 2 * (k + 1) - 1) if reference[i] not in reference[:i])  # mid round 2
+    calls = []
+    target.register_forward_hook(lambda *_: calls.append(1))
+    class NewlineAt:  # decodes the chosen token as a newline, every other as a letter
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join("\n" if i == reference[position] else "x" for i in ids)
+
+    tokens = hf_generate(target, PROMPT, 20, StopCondition(NewlineAt(), ["\n"], eos_token_ids=[VOCAB]), Sampling(0.0),
+                         seed=0, assistant=assistant, k=k)
+    assert tokens == reference[: position + 1]
+    assert len(calls) == 2
+
+
 def test_stop_strings_and_eos_truncate(smollm_path):
     from pipeline.models.provision import load_tokenizer
 

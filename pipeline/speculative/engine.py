@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import statistics
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
-from transformers import DynamicCache, StopStringCriteria, StoppingCriteriaList
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from pipeline import device as devices
 from pipeline.models.vocab import VocabMap
@@ -199,17 +198,28 @@ class StopCondition:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         return any(s in text for s in self.stop_strings)
 
-    @functools.cached_property
-    def hf_criteria(self) -> StoppingCriteriaList:
-        """The stop strings as transformers criteria, built once: building one scans the whole vocabulary
-        (~2.7 s for gemma's 262k tokens), which must not be timed as part of every HF generate call."""
-        return StoppingCriteriaList([StopStringCriteria(self.tokenizer, self.stop_strings)] if self.stop_strings else [])
+    def hf_criteria(self, prompt_length: int) -> StoppingCriteriaList:
+        """This condition as a transformers criterion. Not transformers' own EOS and stop-string criteria: they
+        look only at the sequence's last token, and an assisted round appends several, so a stop inside a round
+        would let generation run on (its extra target forwards counted, its tokens cut afterwards)."""
+        return StoppingCriteriaList([GeneratedStop(self, prompt_length)])
 
     def text(self, generated: list[int]) -> str:
         """The response text, the stop string excluded."""
         text = self.tokenizer.decode(generated, skip_special_tokens=True)
         cut = min((text.find(s) for s in self.stop_strings if s in text), default=len(text))
         return text[:cut]
+
+
+class GeneratedStop(StoppingCriteria):
+    """Stops a transformers ``generate`` as soon as its generated tokens hold a stop anywhere (StopCondition)."""
+
+    def __init__(self, stop: StopCondition, prompt_length: int):
+        self.stop, self.prompt_length = stop, prompt_length
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        done = [self.stop.first_stop(row[self.prompt_length:].tolist(), 0) is not None for row in input_ids]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
 @dataclass
@@ -342,7 +352,7 @@ def hf_generate(model, prompt_ids, max_new_tokens, stop: StopCondition, sampling
     """transformers' own ``generate`` (plain, or assisted by ``assistant`` with exactly K drafts per round)."""
     # Stop strings as a criterion, not `stop_strings=`: that one reaches the assistant, which has no tokenizer.
     kwargs = {"max_new_tokens": max_new_tokens, "do_sample": not sampling.greedy, "eos_token_id": sorted(stop.eos_token_ids),
-              "pad_token_id": sorted(stop.eos_token_ids)[0], "stopping_criteria": stop.hf_criteria}
+              "pad_token_id": sorted(stop.eos_token_ids)[0], "stopping_criteria": stop.hf_criteria(prompt_ids.shape[1])}
     if not sampling.greedy:
         kwargs |= {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
     if assistant is not None:
