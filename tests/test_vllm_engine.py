@@ -1,7 +1,8 @@
 """eval.engine=vllm: vLLM's own speculative decoding (draft_model) on the ci target, SmolLM2-135M.
 
-One slow run of the stage (two vLLM servers, one after the other) with the target itself as the draft
-model; the refusals are fast and must come before any server starts.
+Two slow runs of the stage (two vLLM servers each, one after the other): the target itself as the draft
+model, and a reduced-vocabulary drafter through its export's vLLM form (heterogeneous vocabulary); the
+refusals are fast and must come before any server starts.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import torch
 from pipeline import cli
 from pipeline.config import REPO_ROOT, compose_config
 from pipeline.models.drafter import init_drafter, save_drafter
+from pipeline.models.export import VLLM_DIR, export_drafter
 from pipeline.models.vocab import VocabMap
+from pipeline.rundir import stage_dir
 from pipeline.speculative import vllm_engine
 from pipeline.speculative.vllm_engine import Completion, parse_counters, spec_stats
 
 K, PROMPTS, TOKENS = 4, 3, 24
+SMOLLM_VOCAB = 49152
 
 
 def args(runs_dir, drafter, *extra: str) -> list[str]:
@@ -47,13 +51,49 @@ def test_sampling_on_cpu_is_refused_before_any_server(smollm_path, runs_dir, no_
     assert "greedy-only" in err and "eval.temperatures=[0]" in err
 
 
-def test_reduced_vocabulary_drafter_is_refused_before_any_server(smollm_path, runs_dir, tmp_path, no_server, capsys):
-    cfg = compose_config(["recipe=ci"])
-    vocab = VocabMap.most_frequent(torch.arange(49152, dtype=torch.float), 256, always=[0, 1, 2])
+def tiny_reduced_drafter(smollm_path):
+    """The ci recipe's tiny drafter over 256 of SmolLM2's ids (random weights): (model, vocab map)."""
+    vocab = VocabMap.most_frequent(torch.arange(SMOLLM_VOCAB, dtype=torch.float), 256, always=[0, 1, 2])
+    return init_drafter(compose_config(["recipe=ci"]).drafter, smollm_path, vocab, seed=0), vocab
+
+
+def finetuned_run(runs_dir, smollm_path, drafter, vocab, *extra: str) -> list[str]:
+    """What `make finetune` leaves on the ci recipe with ``drafter`` as the finetuned drafter; the run's config args."""
+    base = ["recipe=ci", f"paths.runs_dir={runs_dir}", f"paths.cache_dir={REPO_ROOT / 'runs' / 'cache'}", *extra]
+    cfg = compose_config(base)
+    for stage in ("distill", "pretrain", "finetune"):
+        directory = stage_dir(cfg, stage, check_inputs=False)
+        assert directory.begin(cfg)
+        if stage == "finetune":
+            save_drafter(drafter, smollm_path, vocab, directory.path / "drafter")
+        directory.finish(cfg, {})
+    return base
+
+
+def test_reduced_vocabulary_drafter_folder_is_refused_before_any_server(smollm_path, runs_dir, tmp_path, no_server,
+                                                                       capsys):
+    """eval.drafter_path naming a reduced-vocabulary drafter, not its export: vLLM needs the export's form."""
     folder = tmp_path / "reduced"
-    save_drafter(init_drafter(cfg.drafter, smollm_path, vocab, seed=0), smollm_path, vocab, folder)
+    drafter, vocab = tiny_reduced_drafter(smollm_path)
+    save_drafter(drafter, smollm_path, vocab, folder)
     err = refusal(args(runs_dir, folder, "eval.temperatures=[0]"), capsys)
-    assert "full-vocabulary drafter" in err and "reduced" in err and "eval.engine=transformers" in err
+    assert "reduced-vocabulary drafter (256 ids)" in err and "not an export" in err and "eval.drafter_path" in err
+
+
+def test_reduced_vocabulary_finetune_without_its_export_names_make_export(smollm_path, runs_dir, no_server, capsys):
+    base = finetuned_run(runs_dir, smollm_path, *tiny_reduced_drafter(smollm_path))
+    argv = ["eval", *base, "eval.engine=vllm", "eval.temperatures=[0]"]
+    err = refusal(argv, capsys)
+    assert "no complete export" in err and "run `make export LANG=de-en RECIPE=ci` first" in err
+    cfg = compose_config(base)
+    export = stage_dir(cfg, "export")  # an export of another finetune (another drafter config, say)
+    export.begin(cfg)
+    export.finish(cfg, {})
+    manifest = json.loads(export.manifest_path.read_text())
+    manifest["inputs"]["finetune"]["config_hash"] = "0123456789abcdef"
+    export.manifest_path.write_text(json.dumps(manifest))
+    err = refusal(argv, capsys)
+    assert "the export of another finetune" in err and "make export LANG=de-en RECIPE=ci` with force=true" in err
 
 
 def test_counters_from_prometheus_text():
@@ -165,3 +205,50 @@ def test_target_as_its_own_drafter_accepts_everything_and_is_lossless(self_draft
         target, speculative = row["methods"]["vllm_target"], row["methods"]["vllm_speculative"]
         assert speculative["token_ids"] == target["token_ids"] and speculative["output"] == target["output"]
     assert "| de-en T=0.0 seed 0 |" in (out / "report.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def reduced_drafted(smollm_path, tmp_path_factory):
+    """The stage once on a run whose finetuned drafter is SmolLM2 itself restricted to its first 8,192 ids (a
+    reduced-vocabulary drafter that agrees with the target wherever the target's choice is mapped), after its
+    export (export_drafter into the export stage's folder, as `make export` writes it, without its smoke check):
+    (exit code, stage folder, exported folder). eval.max_new_tokens differs from the export's config: the export of the
+    same finetune is still the one used."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.stages.export import FOLDER
+    from tests.test_engine import reduced_copy
+
+    runs_dir = tmp_path_factory.mktemp("vllm-eval-reduced") / "runs"
+    vocab = VocabMap(torch.arange(8192), SMOLLM_VOCAB)
+    target = AutoModelForCausalLM.from_pretrained(smollm_path, dtype=torch.float32)
+    base = finetuned_run(runs_dir, smollm_path, reduced_copy(target, vocab), vocab, "distill.server.dtype=float32",
+                         f"eval.num_draft_tokens={K}")
+    cfg = compose_config(base)
+    export = stage_dir(cfg, "export")
+    assert export.begin(cfg)
+    export_drafter(str(export.inputs["finetune"].path / "drafter"), smollm_path, export.path / FOLDER, K)
+    export.finish(cfg, {})
+    code = cli.main(["eval", *base, "eval.engine=vllm", "eval.temperatures=[0]", f"eval.num_prompts={PROMPTS}",
+                     f"eval.max_new_tokens={TOKENS}", "eval.warmup=1"])
+    return code, stage_dir(cfg, "eval").path, export.path / FOLDER
+
+
+@pytest.mark.slow
+def test_reduced_vocabulary_drafter_runs_through_its_exports_vllm_form_losslessly(reduced_drafted):
+    code, out, exported = reduced_drafted
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert code == 0 and (out / "COMPLETE").exists(), metrics["lossless"]
+    assert metrics["speculative_config"] == {"method": "draft_model", "model": str((exported / VLLM_DIR).resolve()),
+                                             "num_speculative_tokens": K, "use_heterogeneous_vocab": True}
+    assert metrics["lossless"] == {"greedy_prompts_checked": PROMPTS, "outputs_checked": PROMPTS, "exact": PROMPTS,
+                                   "tie_tolerance": 0.0, "ties": [], "mismatches": []}  # float32: exact
+    spec = metrics["results"]["de-en"]["T=0.0"]["seeds"]["0"]["vllm_speculative"]
+    print(json.dumps({k: v for k, v in spec.items() if k != "counters"}, indent=1))
+    assert spec["draft_tokens"] == K * spec["drafts"] > 0
+    # the drafter is the target on 8,192 ids: vLLM's mapping is right where most drafts are accepted (a wrong one
+    # would propose other tokens than the target's, accepted by chance only)
+    assert spec["alpha"] > 0.5
+    log = (out / "vllm_speculative" / "vllm.log").read_text()
+    assert "VocabMapping initialized: target_vocab=49152, draft_vocab=8193, intersection=8192 " in log
+    assert "heterogeneous vocabulary" in (out / "report.md").read_text()

@@ -6,19 +6,23 @@
   (remote code through ``auto_map``): target ids in, target-vocabulary logits out, -inf off its map, its
   weights (small head, tying) unchanged. Beside it, ``vllm/`` holds the plain drafter with a tokenizer of
   its own N + 1 tokens, the form vLLM's ``use_heterogeneous_vocab`` maps back onto the target's vocabulary
-  by token string; ``vllm_mapping_problem`` checks that this mapping is exactly the drafter's map.
+  by token string; ``vllm_mapping_problem`` checks that this mapping is exactly the drafter's map, and
+  ``exported_vocab`` reads the map back from an exported folder (eval.engine=vllm runs its ``vllm/`` form).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from pipeline.models.drafter import check_drafter
 from pipeline.models.modeling_specdraft import SpecdraftDrafterConfig, SpecdraftDrafterForCausalLM
@@ -95,3 +99,19 @@ def vllm_mapping_problem(target_path: str, folder: Path, vocab: VocabMap) -> str
         return (f"vLLM's heterogeneous vocabulary (token-string intersection) maps {wrong} of the drafter's "
                 f"{vocab.unk_id} ids and {wrong_inputs} target input ids differently from its vocab map")
     return None
+
+
+def exported_vocab(folder: Path) -> VocabMap:
+    """The vocab map of a reduced-vocabulary drafter exported to ``folder``, read back from the wrapper's
+    ``to_drafter`` buffer (target id -> drafter id, N for the unmapped ones) without loading the model."""
+    index = folder / SAFE_WEIGHTS_INDEX_NAME
+    weights = json.loads(index.read_text())["weight_map"]["to_drafter"] if index.exists() else SAFE_WEIGHTS_NAME
+    with safe_open(folder / weights, "pt") as tensors:
+        to_drafter = tensors.get_tensor("to_drafter").long()
+    unk_id = json.loads((folder / "config.json").read_text())["drafter_config"]["vocab_size"] - 1
+    mapped = torch.nonzero(to_drafter != unk_id).flatten()
+    if len(mapped) != unk_id or set(to_drafter[mapped].tolist()) != set(range(unk_id)):
+        raise ValueError(f"{folder}'s to_drafter does not map {unk_id} target ids onto its drafter's {unk_id} ids")
+    target_ids = torch.empty(unk_id, dtype=torch.long)
+    target_ids[to_drafter[mapped]] = mapped
+    return VocabMap(target_ids, len(to_drafter))

