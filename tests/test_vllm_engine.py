@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from pipeline import cli
 from pipeline.config import REPO_ROOT, compose_config
@@ -209,21 +210,28 @@ def test_target_as_its_own_drafter_accepts_everything_and_is_lossless(self_draft
 
 @pytest.fixture(scope="module")
 def reduced_drafted(smollm_path, tmp_path_factory):
-    """The stage once on a run whose finetuned drafter is SmolLM2 itself restricted to its first 8,192 ids (a
-    reduced-vocabulary drafter that agrees with the target wherever the target's choice is mapped), after its
-    export (export_drafter into the export stage's folder, as `make export` writes it, without its smoke check):
-    (exit code, stage folder, exported folder). eval.max_new_tokens differs from the export's config: the export of the
-    same finetune is still the one used."""
+    """The stage once on a run whose finetuned drafter is SmolLM2 itself restricted to the ids of the ci held-out
+    prompts and SmolLM2's first 4,096, in a shuffled order (drafter id i is not target id i: vLLM's mapping must
+    be the map), after its export (export_drafter into the export stage's folder, as `make export` writes it,
+    without its smoke check): (exit code, stage folder, exported folder, vocab map). The drafter agrees with the
+    target wherever the target's choice and its context are mapped. eval.max_new_tokens differs from the export's
+    config: the export of the same finetune is still the one used."""
     from transformers import AutoModelForCausalLM
 
+    from pipeline.evaluation import heldout_prompts
+    from pipeline.prompts import prompt_ids
     from pipeline.stages.export import FOLDER
     from tests.test_engine import reduced_copy
 
     runs_dir = tmp_path_factory.mktemp("vllm-eval-reduced") / "runs"
-    vocab = VocabMap(torch.arange(8192), SMOLLM_VOCAB)
+    tokenizer = AutoTokenizer.from_pretrained(smollm_path)
+    extra = ["distill.server.dtype=float32", f"eval.num_draft_tokens={K}"]
+    cfg = compose_config(["recipe=ci", f"paths.cache_dir={REPO_ROOT / 'runs' / 'cache'}", *extra])
+    ids = set(range(4096)) | {i for _, text in heldout_prompts(cfg, "de-en", tokenizer) for i in prompt_ids(text, tokenizer)}
+    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))
+    vocab = VocabMap(torch.tensor(sorted(ids))[order], SMOLLM_VOCAB)
     target = AutoModelForCausalLM.from_pretrained(smollm_path, dtype=torch.float32)
-    base = finetuned_run(runs_dir, smollm_path, reduced_copy(target, vocab), vocab, "distill.server.dtype=float32",
-                         f"eval.num_draft_tokens={K}")
+    base = finetuned_run(runs_dir, smollm_path, reduced_copy(target, vocab), vocab, *extra)
     cfg = compose_config(base)
     export = stage_dir(cfg, "export")
     assert export.begin(cfg)
@@ -231,12 +239,12 @@ def reduced_drafted(smollm_path, tmp_path_factory):
     export.finish(cfg, {})
     code = cli.main(["eval", *base, "eval.engine=vllm", "eval.temperatures=[0]", f"eval.num_prompts={PROMPTS}",
                      f"eval.max_new_tokens={TOKENS}", "eval.warmup=1"])
-    return code, stage_dir(cfg, "eval").path, export.path / FOLDER
+    return code, stage_dir(cfg, "eval").path, export.path / FOLDER, vocab
 
 
 @pytest.mark.slow
 def test_reduced_vocabulary_drafter_runs_through_its_exports_vllm_form_losslessly(reduced_drafted):
-    code, out, exported = reduced_drafted
+    code, out, exported, vocab = reduced_drafted
     metrics = json.loads((out / "metrics.json").read_text())
     assert code == 0 and (out / "COMPLETE").exists(), metrics["lossless"]
     assert metrics["speculative_config"] == {"method": "draft_model", "model": str((exported / VLLM_DIR).resolve()),
@@ -246,9 +254,10 @@ def test_reduced_vocabulary_drafter_runs_through_its_exports_vllm_form_losslessl
     spec = metrics["results"]["de-en"]["T=0.0"]["seeds"]["0"]["vllm_speculative"]
     print(json.dumps({k: v for k, v in spec.items() if k != "counters"}, indent=1))
     assert spec["draft_tokens"] == K * spec["drafts"] > 0
-    # the drafter is the target on 8,192 ids: vLLM's mapping is right where most drafts are accepted (a wrong one
-    # would propose other tokens than the target's, accepted by chance only)
-    assert spec["alpha"] > 0.5
+    # the drafter is the target on the prompts' ids: half its drafts are accepted (0.53 measured) where vLLM's mapping
+    # is the map; with another one its inputs and proposals would be other tokens, accepted by chance only (~0)
+    assert spec["alpha"] > 0.3
     log = (out / "vllm_speculative" / "vllm.log").read_text()
-    assert "VocabMapping initialized: target_vocab=49152, draft_vocab=8193, intersection=8192 " in log
+    n = vocab.unk_id
+    assert f"VocabMapping initialized: target_vocab=49152, draft_vocab={n + 1}, intersection={n} " in log
     assert "heterogeneous vocabulary" in (out / "report.md").read_text()
