@@ -15,7 +15,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM,
 from pipeline import cli
 from pipeline.config import REPO_ROOT, compose_config
 from pipeline.models.drafter import save_drafter
-from pipeline.models.export import VLLM_DIR, export_drafter, exported_vocab, reduced_tokenizer, vllm_mapping_problem
+from pipeline.models.export import (
+    VLLM_DIR,
+    export_drafter,
+    exported_vocab,
+    reduced_tokenizer,
+    sliding_window_target,
+    vllm_mapping_problem,
+)
 from pipeline.models.vocab import TokenizerMismatchError, VocabMap
 from pipeline.rundir import stage_dir
 from tests.test_engine import llama, reduced_copy
@@ -94,6 +101,8 @@ def test_vllm_form_maps_exactly_the_drafters_vocabulary(exported):
     assert (config["vocab_size"], config["architectures"]) == plain
     wrong = VocabMap(vocab.target_ids.flip(0), TARGET_VOCAB)  # the same ids in another order: another map
     assert "maps" in vllm_mapping_problem(str(exported["dir"] / "target"), folder, wrong)
+    # vLLM serves a draft model beside a target with sliding-window layers with one KV cache group only
+    assert sliding_window_target(str(exported["dir"] / "target")) == isinstance(exported["target"], Gemma3ForCausalLM)
 
 
 def test_vllm_engine_serves_an_export_folder_through_its_vllm_form(exported):

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from pipeline.models.drafter import check_drafter
@@ -31,6 +31,7 @@ from pipeline.models.vocab import VocabMap
 VLLM_DIR = "vllm"  # the reduced-vocabulary drafter's vLLM form, inside the exported folder
 UNMAPPED_TOKEN = "<specdraft:unmapped>"  # the drafter's id N in its vLLM tokenizer: in no target vocabulary
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+SINGLE_KV_GROUP = "--disable-hybrid-kv-cache-manager"  # vLLM's option; see sliding_window_target
 
 
 def export_drafter(drafter_path: str, target_path: str, folder: Path, num_draft_tokens: int) -> VocabMap | None:
@@ -115,3 +116,19 @@ def exported_vocab(folder: Path) -> VocabMap:
     target_ids = torch.empty(unk_id, dtype=torch.long)
     target_ids[to_drafter[mapped]] = mapped
     return VocabMap(target_ids, len(to_drafter))
+
+
+def sliding_window_target(target_path: str) -> bool:
+    """Whether vLLM must run this target with a draft model under ``--disable-hybrid-kv-cache-manager``
+    (SINGLE_KV_GROUP): a target with sliding-window layers (Gemma 2 and 3, say). vLLM's hybrid KV
+    cache manager gives such a target and its drafter KV cache groups of their own, which alias one pool of
+    blocks (vllm/v1/core/kv_cache_utils.py: "Groups alias from byte 0"), and vLLM 0.32's V1 model runner builds
+    a draft_model drafter's attention metadata from the first group, the target's, not from the drafter's
+    (vllm/v1/worker/gpu_model_runner.py, _build_attention_metadata: only EAGLE-like proposers look up their
+    kv_cache_gid): the drafter writes its KV cache into the target's blocks, and the target's greedy outputs
+    change (measured on gemma-3-270m, with a reduced- and a full-vocabulary drafter alike). With the option
+    every layer is in one group, and the outputs are the target's own."""
+    text = AutoConfig.from_pretrained(target_path).get_text_config()
+    layer_types = getattr(text, "layer_types", None) or []
+    return "sliding_attention" in layer_types or bool(
+        getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True) and not layer_types)

