@@ -261,3 +261,33 @@ def test_reduced_vocabulary_drafter_runs_through_its_exports_vllm_form_losslessl
     n = vocab.unk_id
     assert f"VocabMapping initialized: target_vocab=49152, draft_vocab={n + 1}, intersection={n} " in log
     assert "heterogeneous vocabulary" in (out / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_sliding_window_target_keeps_its_outputs_with_one_kv_cache_group(gemma_path, tmp_path):
+    """gemma-3-270m (the local recipe's target, sliding-window layers) with a random reduced-vocabulary tiny-7m
+    drafter through its export, in float32: exact greedy outputs. The speculative server runs with
+    --disable-hybrid-kv-cache-manager; without it vLLM 0.32's drafter wrote its KV cache into the target's blocks and
+    the outputs changed (pipeline/models/export.py: sliding_window_target)."""
+    from pipeline.evaluation import heldout_prompts
+    from pipeline.models.export import SINGLE_KV_GROUP
+    from pipeline.prompts import prompt_ids
+
+    base = ["recipe=local", "logger=none", f"paths.runs_dir={tmp_path / 'runs'}",
+            f"paths.cache_dir={REPO_ROOT / 'runs' / 'cache'}", f"eval.num_prompts={PROMPTS}"]
+    cfg = compose_config(base)
+    tokenizer = AutoTokenizer.from_pretrained(gemma_path)
+    counts = torch.zeros(len(tokenizer), dtype=torch.float)  # the prompts' ids: the drafter reads them as they are
+    for _, text in heldout_prompts(cfg, "de-en", tokenizer):
+        counts[prompt_ids(text, tokenizer)] += 1
+    vocab = VocabMap.most_frequent(counts, 2048, always=tokenizer.all_special_ids)
+    save_drafter(init_drafter(cfg.drafter, gemma_path, vocab, seed=0), gemma_path, vocab, tmp_path / "finetuned")
+    export_drafter(str(tmp_path / "finetuned"), gemma_path, tmp_path / "export", K)
+    code = cli.main(["eval", *base, f"eval.drafter_path={tmp_path / 'export'}", "eval.engine=vllm",
+                     "eval.temperatures=[0]", f"eval.max_new_tokens={TOKENS}", f"eval.num_draft_tokens={K}",
+                     "eval.warmup=0", "distill.server.dtype=float32"])
+    out = next((tmp_path / "runs").glob("**/eval"))
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert SINGLE_KV_GROUP in metrics["speculative_server_args"] and metrics["speculative_config"]["use_heterogeneous_vocab"]
+    assert code == 0 and metrics["lossless"]["exact"] == PROMPTS, metrics["lossless"]
+    assert metrics["results"]["de-en"]["T=0.0"]["seeds"]["0"]["vllm_speculative"]["drafts"] > 0

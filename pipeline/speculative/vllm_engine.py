@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 from prometheus_client.parser import text_string_to_metric_families
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoTokenizer
 
 from pipeline.config import ConfigError
 from pipeline.device import resolve_device
@@ -94,7 +94,9 @@ def check(cfg: DictConfig, directory, target_path: str, drafter_path: str) -> di
     if (Path(drafter_path) / VLLM_DIR).is_dir():  # eval.drafter_path names the export of a reduced-vocabulary drafter
         export = Path(drafter_path)
         vocab = exported_vocab(export)
-        check_tokenizers(load_tokenizer(drafter_path), load_tokenizer(target_path), "the exported drafter")
+        # trust_remote_code=False: the folder's config is remote code, which transformers would ask about interactively
+        exported_tokenizer = AutoTokenizer.from_pretrained(drafter_path, trust_remote_code=False)
+        check_tokenizers(exported_tokenizer, load_tokenizer(target_path), "the exported drafter")
         target_size = AutoConfig.from_pretrained(target_path).vocab_size
         if vocab.target_vocab_size != target_size:
             raise TokenizerMismatchError(f"the exported drafter {drafter_path} maps {vocab.target_vocab_size} target ids "
