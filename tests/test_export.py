@@ -3,6 +3,7 @@ on tiny random models with SmolLM2's tokenizer; the export stage end to end on t
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 import subprocess
@@ -167,6 +168,10 @@ def test_export_stage_writes_a_servable_folder_whose_readme_snippet_runs(smollm_
     assert result.returncode == 0, result.stderr[-2000:]
     assert "use_heterogeneous_vocab" in readme and "trust_remote_code=True" in readme
     assert "`make eval LANG=de-en RECIPE=ci ARGS='eval.engine=vllm'`" in readme
+    vllm_snippet = ast.parse(readme.split("```python\n")[2].split("```")[0])  # Python: True, not JSON's true
+    call = next(n for n in ast.walk(vllm_snippet) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "LLM")
+    spec = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "speculative_config"))
+    assert spec == manifest["counts"]["vllm"]["speculative_config"]
     shutil.rmtree(out / "drafter")  # a rerun of a complete export is skipped
     assert cli.main(["export", *base]) == 0 and not (out / "drafter").exists()
 

