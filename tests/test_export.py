@@ -3,6 +3,7 @@ on tiny random models with SmolLM2's tokenizer; the export stage end to end on t
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 import subprocess
@@ -15,8 +16,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM,
 from pipeline import cli
 from pipeline.config import REPO_ROOT, compose_config
 from pipeline.models.drafter import save_drafter
-from pipeline.models.export import VLLM_DIR, export_drafter, vllm_mapping_problem
-from pipeline.models.vocab import VocabMap
+from pipeline.models.export import (
+    VLLM_DIR,
+    export_drafter,
+    exported_vocab,
+    reduced_tokenizer,
+    sliding_window_target,
+    vllm_mapping_problem,
+)
+from pipeline.models.vocab import TokenizerMismatchError, VocabMap
 from pipeline.rundir import stage_dir
 from tests.test_engine import llama, reduced_copy
 
@@ -94,6 +102,26 @@ def test_vllm_form_maps_exactly_the_drafters_vocabulary(exported):
     assert (config["vocab_size"], config["architectures"]) == plain
     wrong = VocabMap(vocab.target_ids.flip(0), TARGET_VOCAB)  # the same ids in another order: another map
     assert "maps" in vllm_mapping_problem(str(exported["dir"] / "target"), folder, wrong)
+    # vLLM serves a draft model beside a target with sliding-window layers with one KV cache group only
+    assert sliding_window_target(str(exported["dir"] / "target")) == isinstance(exported["target"], Gemma3ForCausalLM)
+
+
+def test_vllm_engine_serves_an_export_folder_through_its_vllm_form(exported):
+    """eval.engine=vllm with eval.drafter_path at an export: the map read back from the export's weights, vLLM's
+    mapping checked against it, and the heterogeneous-vocabulary speculative_config; a vllm/ tokenizer that maps
+    otherwise is refused (no server starts in either case)."""
+    from pipeline.speculative import vllm_engine
+
+    folder, target, vocab = exported["dir"] / "export", str(exported["dir"] / "target"), exported["vocab"]
+    assert torch.equal(exported_vocab(folder).target_ids, vocab.target_ids)
+    cfg = compose_config(["recipe=ci", "eval.temperatures=[0]", "eval.num_draft_tokens=3"])
+    assert vllm_engine.check(cfg, None, target, str(folder)) == {
+        "method": "draft_model", "model": str((folder / VLLM_DIR).resolve()), "num_speculative_tokens": 3,
+        "use_heterogeneous_vocab": True}
+    wrong = VocabMap(vocab.target_ids.flip(0), TARGET_VOCAB)
+    reduced_tokenizer(exported["tokenizer"], wrong).save_pretrained(folder / VLLM_DIR)
+    with pytest.raises(TokenizerMismatchError, match=r"cannot run .*vllm: vLLM's heterogeneous vocabulary .* maps"):
+        vllm_engine.check(cfg, None, target, str(folder))
 
 
 def test_full_vocabulary_drafter_exports_as_a_plain_model(smollm_path, tmp_path):
@@ -139,6 +167,11 @@ def test_export_stage_writes_a_servable_folder_whose_readme_snippet_runs(smollm_
     result = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "use_heterogeneous_vocab" in readme and "trust_remote_code=True" in readme
+    assert "`make eval LANG=de-en RECIPE=ci ARGS='eval.engine=vllm'`" in readme
+    vllm_snippet = ast.parse(readme.split("```python\n")[2].split("```")[0])  # Python: True, not JSON's true
+    call = next(n for n in ast.walk(vllm_snippet) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "LLM")
+    spec = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "speculative_config"))
+    assert spec == manifest["counts"]["vllm"]["speculative_config"]
     shutil.rmtree(out / "drafter")  # a rerun of a complete export is skipped
     assert cli.main(["export", *base]) == 0 and not (out / "drafter").exists()
 

