@@ -21,11 +21,11 @@ measured block, give (Δ = after − before):
 
 - alpha = Δ accepted tokens / Δ draft tokens
 - tau = 1 + Δ accepted tokens / Δ drafts: tokens emitted per verifying target forward (the accepted
-  drafts plus the target's own token), i.e. the README's emitted tokens / target forward calls over the
+  drafts plus the target's own token), i.e. docs/metrics.md's emitted tokens / target forward calls over the
   forwards that verify drafts. vLLM's prefill forward, which emits the first token and verifies
   nothing, is left out (our engine fuses it into its first round); ``tokens_per_forward`` counts it.
 - acceptance per draft position i = Δ accepted at position i / Δ drafts (vLLM does not count drafted
-  tokens per position; the same as the README's while every draft holds K tokens)
+  tokens per position; the same as docs/metrics.md's while every draft holds K tokens)
 - speedup = target seconds per token / speculative seconds per token (metrics.speedup)
 
 vLLM counts a round's accepted drafts before it cuts the output at a stop string or max_tokens. At T=0
