@@ -11,11 +11,17 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaForCausalLM,
+)
 
 from pipeline import cli
 from pipeline.config import REPO_ROOT, compose_config
-from pipeline.models.drafter import save_drafter
+from pipeline.models.drafter import load_drafter, save_drafter
 from pipeline.models.export import (
     VLLM_DIR,
     export_drafter,
@@ -122,6 +128,12 @@ def test_vllm_engine_serves_an_export_folder_through_its_vllm_form(exported):
     reduced_tokenizer(exported["tokenizer"], wrong).save_pretrained(folder / VLLM_DIR)
     with pytest.raises(TokenizerMismatchError, match=r"cannot run .*vllm: vLLM's heterogeneous vocabulary .* maps"):
         vllm_engine.check(cfg, None, target, str(folder))
+
+
+def test_our_engine_refuses_an_export_folder_in_one_line_naming_the_drafter_it_came_from(exported):
+    with pytest.raises(TokenizerMismatchError, match=r"make export.*<run>/finetune/drafter.*eval.engine=vllm") as info:
+        load_drafter(str(exported["dir"] / "export"), str(exported["dir"] / "target"))
+    assert "\n" not in str(info.value)
 
 
 def test_full_vocabulary_drafter_exports_as_a_plain_model(smollm_path, tmp_path):

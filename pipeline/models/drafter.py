@@ -13,15 +13,22 @@ as transformers' ``assistant_model``.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+)
 
 from pipeline.config import ConfigError, ModelSource
+from pipeline.models.modeling_specdraft import SpecdraftDrafterConfig
 from pipeline.models.vocab import TokenizerMismatchError, VocabMap, check_tokenizers
 
 
@@ -108,6 +115,11 @@ def check_drafter(drafter_path: str, target_path: str, name: str = "drafter") ->
 
     Returns the folder's vocab map (None for a full-vocabulary drafter).
     """
+    config = Path(drafter_path) / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("model_type") == SpecdraftDrafterConfig.model_type:
+        raise TokenizerMismatchError(
+            f"{name} {drafter_path} is the transformers wrapper `make export` writes for serving; specdraft's engine "
+            "takes the drafter it was exported from (<run>/finetune/drafter), eval.engine=vllm takes this folder")
     check_tokenizers(AutoTokenizer.from_pretrained(drafter_path), AutoTokenizer.from_pretrained(target_path), name)
     vocab = VocabMap.load(drafter_path) if Path(drafter_path).is_dir() else None
     target_size = AutoConfig.from_pretrained(target_path).vocab_size
