@@ -109,4 +109,5 @@ def test_a_bad_dry_run_option_fails_in_one_line(stand_ins):
     done = make("dry-run", "RECIPE=paper-llama2", "LANG=zh-en", "ARGS=+dry_run=tiny")
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: unknown dry_run 'tiny'; valid: on"], done.stderr
+    assert errors == ["error: unknown dry_run 'tiny'; valid: on; or write your own as DIR/dry_run/tiny.yaml and pass "
+                      "--config-dir DIR"], done.stderr
