@@ -97,10 +97,8 @@ def groups_help() -> str:
     return "\n".join(f"  {group:<9} {', '.join(options(group))}" for group in groups)
 
 
-def keys_help(keys: list[str]) -> str:
-    from pipeline.config_reference import documented_keys
-
-    docs = {doc.key: doc for doc in documented_keys()}
+def keys_help(keys: list[str], docs: dict) -> str:
+    """``keys`` with their schema default and help text (``docs``: config_reference's KeyDoc by key)."""
     return "\n".join(f"  {key + '=' + docs[key].default:<34} {docs[key].help}".rstrip() for key in keys)
 
 
@@ -112,6 +110,11 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
+    from pipeline.config_reference import documented_keys
+
+    docs, groups = {doc.key: doc for doc in documented_keys()}, groups_help()  # once: every command's help shows them
+    common = (f"common keys:\n{keys_help(COMMON_KEYS, docs)}\n\nconfig groups (KEY=OPTION):\n{groups}\n\n"
+              "every key: docs/configuration.md; the composed config: specdraft config recipe=NAME lang=PAIR")
     config_dir = argparse.ArgumentParser(add_help=False)
     config_dir.add_argument("--config-dir", metavar="DIR", default=argparse.SUPPRESS,
                             help=f"your own configs, laid out like conf/ (target/, lang/, drafter/, ..., recipes/); "
@@ -125,7 +128,7 @@ def parser() -> argparse.ArgumentParser:
                "  specdraft config recipe=local lang=de-en\n"
                "  specdraft distill recipe=paper-vicuna lang=de-en distill.server.tensor_parallel=2\n"
                "  specdraft eval --help\n\n"
-               f"config groups (KEY=OPTION) and their options:\n{groups_help()}")
+               f"config groups (KEY=OPTION) and their options:\n{groups}")
     commands = top.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=OneLineParser)
     for name, (summary, keys) in COMMANDS.items():
         if name == "list":
@@ -136,9 +139,8 @@ def parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(
             name, help=summary, description=summary, parents=[config_dir],
             formatter_class=argparse.RawDescriptionHelpFormatter,
-            epilog=(f"keys most used with {name} (default, meaning):\n{keys_help(keys)}\n\n" if keys else "")
-                   + f"common keys:\n{keys_help(COMMON_KEYS)}\n\nconfig groups (KEY=OPTION):\n{groups_help()}\n\n"
-                   "every key: docs/configuration.md; the composed config: specdraft config recipe=NAME lang=PAIR")
+            epilog=(f"keys most used with {name} (default, meaning):\n{keys_help(keys, docs)}\n\n" if keys else "")
+                   + common)
         sub.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                          help="recipe=NAME (default local), lang=PAIR, group=OPTION or any dotted key")
     return top
