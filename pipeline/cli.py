@@ -42,6 +42,9 @@ COMMANDS = {
               "eval.engine", "eval.drafter_path"]),
     "export": ("the finetuned drafter as a folder transformers and vLLM serve, with a README and a smoke check",
                ["export.num_prompts", "eval.num_draft_tokens"]),
+    "scaling": ("Fig. 4: finetune on nested fractions of LANG's distilled data (P-F, F-only, +on-policy) and "
+                "fit acceptance against data", ["scaling.fractions", "scaling.series", "scaling.anchors",
+                                                "scaling.heldout_prompts", "train.finetune.data_fraction"]),
     "prepare": ("convert the target model and extract the translation sources (once; the stages do it too)",
                 ["target.source", "target.path", "data.sources"]),
     "config": ("print the composed config (nothing runs)", []),
@@ -169,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
             print(OmegaConf.to_yaml(cfg))
         elif args.command == "prepare":
             prepare(cfg)
+        elif args.command == "scaling":  # it runs finetune and eval stages itself, so it needs their overrides
+            from pipeline.stages import scaling
+
+            scaling.run(cfg, args.overrides)
         else:
             run_stage(args.command, cfg)
         sys.stdout.flush()

@@ -74,6 +74,13 @@ class Divergence(str, Enum):
     jsd = "jsd"  # Jensen-Shannon divergence: symmetric, bounded
 
 
+class ScalingSeries(str, Enum):
+    pf = "pf"  # P-F: finetune the pretrained drafter
+    f_only = "f_only"  # F-only: finetune from random init
+    pf_on_policy = "pf_on_policy"  # P-F, then train.finetune.on_policy
+    f_only_on_policy = "f_only_on_policy"  # F-only, then train.finetune.on_policy
+
+
 class Loss(str, Enum):
     ce = "ce"  # cross-entropy on the target's sampled tokens
     kd_forward_kl = "kd_forward_kl"  # forward KL to the target's stored top logprobs (distill.top_logprobs > 0)
@@ -258,6 +265,9 @@ class FinetuneConfig(TrainConfig):
     # P-F with a reduced vocabulary: re-point the pretrained map's ids unused by this pair's data at the
     # data's frequent unmapped ids (pipeline/models/drafter.py specialize_vocab)
     specialize_vocab: bool = True
+    # train on this share of the distilled prompts (all their answers), drawn in an order fixed by the seed so
+    # a smaller share's prompts are inside a larger one's: nested data-scaling runs (make scaling)
+    data_fraction: float = 1.0
     on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
 
 
@@ -308,6 +318,19 @@ class ExportConfig:
 
 
 @dataclass
+class ScalingConfig:
+    """``specdraft scaling`` (pipeline/stages/scaling.py): acceptance against the amount of distilled data."""
+    # shares of the distilled prompts finetuned on, nested: a smaller share's prompts are inside a larger one's
+    fractions: list[float] = field(default_factory=lambda: [0.125, 0.25, 0.5, 1.0])
+    # the finetunes of each fraction: P-F, F-only, and each followed by train.finetune.on_policy
+    series: list[ScalingSeries] = field(default_factory=lambda: list(ScalingSeries))
+    # held-out prompts of the eval stage whose greedy target answers every drafter reads (teacher-forced measure)
+    heldout_prompts: int = 32
+    # points also measured by the eval stage (target vs speculative, first seed): <series>@<fraction> or pretrained
+    anchors: list[str] = field(default_factory=lambda: ["pf@1", "pretrained"])
+
+
+@dataclass
 class LoggerConfig:
     backend: LoggerBackend = LoggerBackend.wandb  # wandb | none
     project: str = "specdraft"  # wandb project
@@ -336,6 +359,7 @@ class Config:
     train: TrainGroupConfig = MISSING
     eval: EvalConfig = MISSING
     export: ExportConfig = field(default_factory=ExportConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
     logger: LoggerConfig = MISSING
     paths: PathsConfig = MISSING
 
@@ -344,7 +368,7 @@ ConfigStore.instance().store(name="specdraft_schema", node=Config)
 SCHEMAS = {cls.__name__: cls for cls in (Config, TargetConfig, DrafterConfig, LangConfig, TranslationExample,
                                          HubSourceConfig, DataConfig,
                                          CorpusConfig, DistillConfig, ServerConfig, TrainGroupConfig, TrainConfig,
-                                         FinetuneConfig, OnPolicyConfig, EvalConfig, ExportConfig, LoggerConfig,
+                                         FinetuneConfig, OnPolicyConfig, EvalConfig, ExportConfig, ScalingConfig, LoggerConfig,
                                          PathsConfig)}
 
 GROUPS = ("target", "drafter", "lang", "data", "distill", "train", "eval", "logger", "paths", "dry_run")
@@ -498,6 +522,8 @@ def validate(cfg: DictConfig) -> None:
             problems.append(f"train.{name}.mixed_precision must be one of no, bf16, fp16")
         if tc.launch not in options("launch"):
             problems.append(f"train.{name}.launch '{tc.launch}' unknown; valid: {', '.join(options('launch'))}")
+    if not 0 < cfg.train.finetune.data_fraction <= 1:
+        problems.append("train.finetune.data_fraction must be in (0, 1]: the share of the distilled prompts trained on")
     op = cfg.train.finetune.on_policy
     if op.enabled and min(op.rounds, op.steps_per_round, op.batch_size, op.rollout_tokens, op.heldout_prompts) < 1:
         problems.append("train.finetune.on_policy: rounds, steps_per_round, batch_size, rollout_tokens and "
@@ -529,6 +555,14 @@ def validate(cfg: DictConfig) -> None:
     sources = [p.split("-")[0] for p in cfg.eval.router_langs]
     if cfg.eval.router_langs and (len(sources) < 2 or len(set(sources)) < len(sources)):
         problems.append("eval.router_langs needs two or more pairs with different source languages, e.g. [de-en,fr-en]")
+    scaling = cfg.scaling
+    if not scaling.fractions or not all(0 < f <= 1 for f in scaling.fractions):
+        problems.append("scaling.fractions must be shares of the distilled prompts in (0, 1], e.g. [0.125,0.25,0.5,1]")
+    points = {"pretrained", *(f"{s.value}@{f:g}" for s in scaling.series for f in scaling.fractions)}
+    if unknown := [a for a in scaling.anchors if a not in points]:
+        problems.append(f"scaling.anchors: {', '.join(unknown)} not among the points; valid: {', '.join(sorted(points))}")
+    if scaling.heldout_prompts < 1:
+        problems.append("scaling.heldout_prompts must be >= 1")
     if problems:
         raise ConfigError("; ".join(problems))
 

@@ -25,10 +25,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import ConfigError, LangConfig, option_file
 from pipeline.data.sources import load_sources
-from pipeline.prompts import build_prompt, stop_strings, stop_token_ids
+from pipeline.prompts import build_prompt, prompt_ids, stop_strings, stop_token_ids
 from pipeline.speculative import LosslessError
-from pipeline.speculative.engine import StopCondition
+from pipeline.speculative.engine import CachedModel, StopCondition, generate
 from pipeline.speculative.metrics import mean_std
+from pipeline.training.data import IGNORE
 
 SUMMARY_KEYS = ("speedup", "tokens_per_s", "alpha", "tau", "predicted_speedup")
 FULL_PRECISION = ("float32", "fp32", "float")  # "float": float32 to torch and to vLLM's --dtype
@@ -77,6 +78,19 @@ def heldout_prompts(cfg: DictConfig, pair: str, tokenizer, count: int | None = N
     if not heldout:
         raise ConfigError(f"no held-out prompts for {pair}; raise data.heldout_max or choose another lang")
     return [(ex, build_prompt(cfg.target, lang_cfg.lang, ex.src, tokenizer)) for ex in heldout]
+
+
+def greedy_heldout_examples(cfg: DictConfig, target, tokenizer, count: int, max_new_tokens: int) -> list[dict]:
+    """The pair's first ``count`` held-out prompts with the target's greedy answers, as finetune examples
+    (labels on the answer only): what a teacher-forced acceptance estimate reads."""
+    stop = stop_condition(cfg.target, tokenizer, target)
+    examples = []
+    for _, prompt in heldout_prompts(cfg, cfg.lang.pair, tokenizer, count):
+        ids = torch.tensor([prompt_ids(prompt, tokenizer)], device=target.device)
+        with torch.inference_mode():
+            answer = generate(CachedModel(target), ids, max_new_tokens, stop).tokens
+        examples.append({"input_ids": ids[0].tolist() + answer, "labels": [IGNORE] * ids.shape[1] + answer})
+    return examples
 
 
 def summarize(per_seed: dict) -> dict:

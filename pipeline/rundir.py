@@ -38,6 +38,7 @@ from pipeline.config import REPO_ROOT, FinetuneMode, config_hash, sections
 
 STAGES = ("distill", "pretrain", "finetune", "eval")  # the pipeline: `make all` and Slurm's chain
 EXPORT = "export"  # after a finetune, on demand: the drafter in the forms transformers and vLLM serve
+SCALING = "scaling"  # after distill and pretrain, on demand: acceptance against the amount of data (Fig. 4)
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
 
@@ -53,6 +54,7 @@ STAGE_SECTIONS = {
     "eval": ["target", "drafter", "lang", "eval"],
     EXPORT: ["target", "drafter", "lang", "eval.num_draft_tokens", "eval.max_new_tokens", "eval.seeds", "eval.top_k",
              "eval.top_p", "export"],
+    SCALING: ["target", "drafter", "lang", "train.finetune", "seed", "eval", "scaling"],
 }
 
 # Keys inside those sections that do not change a stage's result, so changing them keeps its hash: how
@@ -185,13 +187,15 @@ def input_stages(cfg: DictConfig, stage: str) -> list[str]:
         return [] if cfg.eval.drafter_path else ["finetune"]
     if stage == EXPORT:
         return ["finetune"]
+    if stage == SCALING:
+        return ["distill", "pretrain"]
     return []
 
 
 def stage_dir(cfg: DictConfig, stage: str, check_inputs: bool = True) -> StageDir:
     """The stage's directory with its inputs resolved; fails fast when an input is not complete."""
-    if stage not in (*STAGES, EXPORT):
-        raise ValueError(f"unknown stage '{stage}'; valid: {', '.join((*STAGES, EXPORT))}")
+    if stage not in (*STAGES, EXPORT, SCALING):
+        raise ValueError(f"unknown stage '{stage}'; valid: {', '.join((*STAGES, EXPORT, SCALING))}")
     inputs = {name: stage_dir(cfg, name, check_inputs) for name in input_stages(cfg, stage)}
     if check_inputs:
         for name, upstream in inputs.items():
@@ -211,7 +215,8 @@ def stage_dir(cfg: DictConfig, stage: str, check_inputs: bool = True) -> StageDi
 
 def hashed_keys(cfg: DictConfig, stage: str) -> list[str]:
     """The config keys a stage's hash covers: its sections, less their RESULT_NEUTRAL keys, and less the
-    finetune's on-policy phase while it is off (finetunes made before it existed keep their hash)."""
+    finetune's on-policy phase while it is off and its data_fraction while it is 1 (finetunes made before
+    they existed keep their hash)."""
     keys = []
     for key in STAGE_SECTIONS[stage]:
         neutral = RESULT_NEUTRAL.get(key)
@@ -221,4 +226,6 @@ def hashed_keys(cfg: DictConfig, stage: str) -> list[str]:
             keys.extend(f"{key}.{name}" for name in OmegaConf.select(cfg, key) if name not in neutral)
     if stage == "finetune" and not cfg.train.finetune.on_policy.enabled:
         keys.remove("train.finetune.on_policy")
+    if stage == "finetune" and cfg.train.finetune.data_fraction == 1:
+        keys.remove("train.finetune.data_fraction")
     return keys

@@ -9,6 +9,7 @@ import pytest
 from pipeline.data.sharegpt import iter_conversations
 from pipeline.config import compose_config
 from pipeline.data.sources import Example, _file_examples, split_by_id, text_id
+from pipeline.training.data import prompt_fraction
 
 
 def test_sharegpt_streams_records():
@@ -72,3 +73,14 @@ def test_file_sources_jsonl_and_tsv(tmp_path):
     assert list(_file_examples(jsonl, hub)) == [Example(text_id("Guten Morgen, wie geht es dir?"),
                                                         "Guten Morgen, wie geht es dir?", "Good morning, how are you?")]
     assert next(_file_examples(tsv, hub)).ref == "Hello everyone"
+
+
+def test_prompt_fractions_are_nested_and_keep_every_answer_of_a_prompt():
+    records = [{"id": f"p{i}", "temperature": t} for i in range(40) for t in (0.0, 1.0)]
+    kept = {f: prompt_fraction(records, f, seed=0) for f in (0.125, 0.25, 0.5, 1.0)}
+    prompts = {f: {r["id"] for r in rows} for f, rows in kept.items()}
+    assert [len(prompts[f]) for f in kept] == [5, 10, 20, 40]
+    assert prompts[0.125] < prompts[0.25] < prompts[0.5] < prompts[1.0]
+    assert all(len(rows) == 2 * len(prompts[f]) for f, rows in kept.items())  # both temperatures of each prompt
+    assert prompts[0.25] != {r["id"] for r in prompt_fraction(records, 0.25, seed=1)}
+    assert len(prompt_fraction(records, 0.001, seed=0)) == 2  # at least one prompt

@@ -162,6 +162,14 @@ def test_finetune_hash_covers_the_on_policy_phase_only_when_it_is_on(runs_dir):
     assert len({finetune, on_tv, stage_dir(on_kl, "finetune", check_inputs=False).config_hash}) == 3
 
 
+def test_finetune_hash_covers_the_data_fraction_only_below_one(runs_dir):
+    """Finetunes made before data_fraction existed keep their hash at 1; each fraction is its own run."""
+    base = ["recipe=ci", f"paths.runs_dir={runs_dir}"]
+    hashes = [stage_dir(compose_config([*base, *extra]), "finetune", check_inputs=False).config_hash
+              for extra in ([], ["train.finetune.data_fraction=1.0"], ["train.finetune.data_fraction=0.5"])]
+    assert hashes[0] == hashes[1] != hashes[2]
+
+
 def test_make_command_puts_the_run_and_more_overrides_in_one_args():
     cfg = compose_config(["recipe=ci", "lang=fr-en", "run=lr-low"])
     assert make_command(cfg, "eval", ("eval.engine=vllm",)) == "make eval LANG=fr-en RECIPE=ci ARGS='run=lr-low eval.engine=vllm'"

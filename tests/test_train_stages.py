@@ -355,3 +355,33 @@ def test_finetune_with_on_policy_alignment_after_sft(distilled):
     assert (path / "drafter").exists()
     assert stage_dir(compose_config(overrides(distilled)), "finetune").config_hash != stage_dir(
         compose_config(args), "finetune").config_hash  # the phase is part of the result
+
+
+def test_scaling_finetunes_nested_fractions_and_fits_acceptance_against_data(distilled, capsys):
+    """`specdraft scaling` on the ci recipe: a finetune per series and fraction (on-policy too), the pretrained
+    drafter as baseline, an anchor through the eval stage, scaling.json/png, and a rerun that only reads it."""
+    args = overrides(distilled, "scaling.fractions=[0.5,1]", "scaling.series=[pf,f_only,pf_on_policy]",
+                     "scaling.heldout_prompts=2", "scaling.anchors=[pf@0.5]", "eval.temperatures=[0.0]",
+                     "train.finetune.on_policy.rounds=1", "train.finetune.on_policy.steps_per_round=2",
+                     "train.finetune.on_policy.batch_size=2", "train.finetune.on_policy.heldout_prompts=2")
+    assert cli(["scaling", *args]) == 0
+    path = stage_dir(compose_config(args), "scaling").path
+    result = json.loads((path / "scaling.json").read_text())
+    points = result["points"]
+    assert sorted(points) == ["f_only@0.5", "f_only@1", "pf@0.5", "pf@1", "pf_on_policy@0.5", "pf_on_policy@1",
+                              "pretrained"]
+    # 8 prompts at T 0 and 1; on-policy holds 2 prompts out of both phases
+    assert [points[f"pf@{f}"]["records"] for f in ("0.5", "1")] == [8, 16]
+    assert [points[f"pf_on_policy@{f}"]["records"] for f in ("0.5", "1")] == [6, 12]
+    assert points["pf@1"]["drafter"] == str(stage_dir(compose_config(overrides(distilled)), "finetune").path / "drafter")
+    for point in points.values():
+        assert 0 <= point["t0_agreement"]["mean"] <= 1 and 0 < point["t1_acceptance"]["mean"] < 1
+        assert 1 <= point["predicted"]["T0"]["tau"] <= 1 + result["K"]
+    assert set(result["series"]) == {"pf", "f_only", "pf_on_policy"}
+    assert all("tau_gain_per_doubling" in fit for fit in result["series"].values())
+    assert result["anchors"]["pf@0.5"]["T0"]["tau"] >= 1
+    assert (path / "scaling.png").stat().st_size > 0 and (path / MARKER).exists()
+    capsys.readouterr()
+    assert cli(["scaling", *args]) == 0  # complete: prints the table, trains and measures nothing
+    printed = capsys.readouterr().out
+    assert "complete for this config; skipping" in printed and "\npf: tau T0 " in printed

@@ -36,14 +36,12 @@ from omegaconf import OmegaConf
 
 from pipeline.cli import main as cli
 from pipeline.config import Divergence, compose_config
-from pipeline.evaluation import heldout_prompts, stop_condition
+from pipeline.evaluation import greedy_heldout_examples, stop_condition
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
-from pipeline.prompts import prompt_ids
 from pipeline.rundir import stage_dir
-from pipeline.speculative.engine import CachedModel, generate
 from pipeline.training import loop, on_policy
-from pipeline.training.data import IGNORE, Collator, finetune_examples, read_records
+from pipeline.training.data import Collator, finetune_examples, read_records
 
 PAIR = "de-en"
 ROUND_STEPS = 5
@@ -67,18 +65,6 @@ def finetuned_config():
         if cli([stage, *overrides]) != 0:
             raise RuntimeError(f"`python -m pipeline {stage} {' '.join(overrides)}` failed")
     return compose_config(overrides), f"made by this bench at reduced size: {' '.join(REDUCED)}"
-
-
-def heldout_examples(cfg, target, tokenizer, count: int) -> list[dict]:
-    """The eval stage's first held-out prompts with the target's greedy answers, as finetune examples."""
-    stop = stop_condition(cfg.target, tokenizer, target)
-    out = []
-    for _, prompt in heldout_prompts(cfg, PAIR, tokenizer)[:count]:
-        ids = torch.tensor([prompt_ids(prompt, tokenizer)])
-        with torch.inference_mode():
-            answer = generate(CachedModel(target), ids, HELDOUT_TOKENS, stop).tokens
-        out.append({"input_ids": ids[0].tolist() + answer, "labels": [IGNORE] * ids.shape[1] + answer})
-    return out
 
 
 def run_arm(name, tc, sft_model, examples, collate, objective, held_out, budget_s: float, seed: int) -> tuple:
@@ -175,8 +161,8 @@ def main(out_dir: Path) -> dict:
     tokenizer, target = load_tokenizer(target_path), load_model(target_path, cfg.target.dtype)
     sft_model, vocab = load_drafter(str(directory.path / "drafter"), target_path)
     examples = finetune_examples(read_records(directory.inputs["distill"].path / "records"), tokenizer, tc.max_length)
-    held_out = on_policy.HeldOut(target, vocab, heldout_examples(cfg, target, tokenizer, int(
-        os.environ.get("ON_POLICY_HELDOUT", "32"))), tokenizer.pad_token_id)
+    held_out = on_policy.HeldOut(target, vocab, greedy_heldout_examples(
+        cfg, target, tokenizer, int(os.environ.get("ON_POLICY_HELDOUT", "32")), HELDOUT_TOKENS), tokenizer.pad_token_id)
     stops = on_policy.rollout_stop_ids(stop_condition(cfg.target, tokenizer, target))
 
     cost = scoring_cost(target, vocab, held_out)

@@ -323,10 +323,14 @@ def top2_gap(model, prompt_ids: torch.Tensor, prefix: list[int]) -> float:
     return float(best[0] - best[1])
 
 
+def expected_tokens(alpha: float, k: int) -> float:
+    """Leviathan et al.'s expected tokens per target call (1 − α^(K+1)) / (1 − α); K+1 at α=1."""
+    return k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
 def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
-    """Leviathan et al.'s expected speedup (1 − α^(K+1)) / ((1 − α)(K·c + v)); its limit (K+1)/(Kc+v) at α=1."""
-    expected_tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return expected_tokens / (k * c + v)
+    """Leviathan et al.'s expected speedup: expected tokens per target call / (K·c + v)."""
+    return expected_tokens(alpha, k) / (k * c + v)
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ map, whose ids this pair's data never uses are re-pointed at its frequent unmapp
 random init, with a reduced vocabulary counted on the finetuning data.
 ``loss=kd_forward_kl|kd_total_variation`` trains toward the target's stored top-k logprobs
 (``distill.top_logprobs=K``) instead of its sampled tokens, where they are known.
+``data_fraction`` < 1 trains on that share of the prompts (nested: ``make scaling``).
 ``on_policy.enabled=true`` adds the on-policy alignment after SFT (pipeline/training/on_policy.py): the
 drafter's own rollouts, scored by the target; ``on_policy.heldout_prompts`` prompts are then held out of
 both phases for its per-round acceptance estimate.
@@ -24,7 +25,8 @@ from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.rundir import StageDir, StageInputError, make_command
 from pipeline.tracking import Tracker
 from pipeline.training import loop, on_policy
-from pipeline.training.data import TokenStrings, finetune_examples, read_records, teacher_coverage, token_counts
+from pipeline.training.data import (TokenStrings, finetune_examples, prompt_fraction, read_records, teacher_coverage,
+                                    token_counts)
 from pipeline.training.launch import MetricsLog, run_training
 from pipeline.training.on_policy import rollout_stop_ids, split_heldout
 
@@ -46,6 +48,7 @@ def train(cfg: DictConfig, directory: StageDir, log: MetricsLog) -> dict:
     if not records:
         raise StageInputError(f"{records_dir} holds no records; run `{make_command(cfg, 'distill')}` with force=true")
     records, heldout = split_heldout(records, tc.on_policy.heldout_prompts, cfg.seed) if tc.on_policy.enabled else (records, [])
+    records = prompt_fraction(records, tc.data_fraction, cfg.seed)
     strings = None
     if tc.loss != Loss.ce:  # KD against the target's top-k logprobs stored in the records
         if not any(r.get("top_logprobs") for r in records):
@@ -67,7 +70,7 @@ def train(cfg: DictConfig, directory: StageDir, log: MetricsLog) -> dict:
                                 then=aligner(cfg, vocab, examples, heldout, tokenizer, target_path, directory, log))
     if strings is not None:
         counts["teacher_coverage"] = round(teacher_coverage(examples), 4)
-    return {**counts, "records": len(records), "temperatures": sorted({r["temperature"] for r in records})}
+    return {**counts, "records": len(records), "prompts": len({r["id"] for r in records}), "temperatures": sorted({r["temperature"] for r in records})}
 
 
 def aligner(cfg: DictConfig, vocab, examples: list[dict], heldout: list[dict], tokenizer, target_path: str,

@@ -135,6 +135,22 @@ def read_records(records_dir: Path) -> list[dict]:
     return records
 
 
+def seeded_prompt_ids(records: list[dict], seed: int) -> list[str]:
+    """The records' prompt ids in an order drawn by ``seed`` (the same for the same records and seed)."""
+    ids = sorted({r["id"] for r in records})
+    return [ids[i] for i in torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed)).tolist()]
+
+
+def prompt_fraction(records: list[dict], fraction: float, seed: int) -> list[dict]:
+    """Every record of the first ``fraction`` of the prompts in the seed's order (at least one prompt): a
+    smaller fraction's prompts are inside a larger one's, so data-scaling runs are nested."""
+    if fraction >= 1:
+        return records
+    order = seeded_prompt_ids(records, seed)
+    kept = set(order[: max(1, round(fraction * len(order)))])
+    return [r for r in records if r["id"] in kept]
+
+
 class TokenStrings:
     """Target token ids <-> the strings the OpenAI API reports in ``top_logprobs`` (each id decoded alone)."""
 

@@ -41,7 +41,7 @@ from pipeline.config import ConfigError, Divergence
 from pipeline.models.vocab import VocabMap
 from pipeline.speculative.engine import StopCondition
 from pipeline.training import loop
-from pipeline.training.data import IGNORE, Collator
+from pipeline.training.data import IGNORE, Collator, seeded_prompt_ids
 
 SCORE_CHUNK = 64  # drafted positions per pass of the target's full output layer: (64, V) float32 logits at a time
 
@@ -239,12 +239,11 @@ class HeldOut:
 def split_heldout(records: list[dict], count: int, seed: int) -> tuple[list[dict], list[dict]]:
     """(training records, held-out records): ``count`` prompts drawn by ``seed`` are held out of both SFT and
     the alignment; of each, its greedy answer (its lowest-temperature record) is kept for the estimate."""
-    prompt_ids = sorted({r["id"] for r in records})
-    if count >= len(prompt_ids):
-        raise ConfigError(f"train.finetune.on_policy.heldout_prompts={count} leaves none of the {len(prompt_ids)} "
+    order = seeded_prompt_ids(records, seed)
+    if count >= len(order):
+        raise ConfigError(f"train.finetune.on_policy.heldout_prompts={count} leaves none of the {len(order)} "
                           "distilled prompts to train on; lower it")
-    order = torch.randperm(len(prompt_ids), generator=torch.Generator().manual_seed(seed))[:count]
-    held = {prompt_ids[i] for i in order.tolist()}
+    held = set(order[:count])
     greedy = {}
     for r in records:
         if r["id"] in held and (r["id"] not in greedy or r["temperature"] < greedy[r["id"]]["temperature"]):
