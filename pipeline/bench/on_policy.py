@@ -13,8 +13,9 @@ stage's de-en held-out prompts and the target's greedy answers to them, the expe
 Σ min(p, q) and the T=0 agreement of the argmaxes. The CPU cost of the exact scoring (the target's full
 output layer at the drafted positions) is measured beside the cost of its body and of the map's rows alone.
 Written: the learning curves (estimate vs CPU-minutes),
-supervised positions per CPU-second of each arm, and each arm's final gain over SFT paired per answer
-token (mean and standard error) to ``runs/bench/on_policy.json``, the curves to ``on_policy.png``.
+supervised positions per CPU-second of each arm, each arm's final gain over the starting drafter and over
+continued SFT paired per answer token (mean and standard error), and the τ its final acceptances predict
+(i.i.d. over the K positions) to ``runs/bench/on_policy.json``, the curves to ``on_policy.png``.
 
 Without a finished de-en finetune under ``runs/``, the bench makes one with the pipeline's own stages at a
 reduced size (``REDUCED``: 120 prompts, T 0 and 1, 400k pretraining tokens) under
@@ -40,6 +41,7 @@ from pipeline.evaluation import greedy_heldout_examples, stop_condition
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.rundir import stage_dir
+from pipeline.speculative.engine import expected_tokens
 from pipeline.training import loop, on_policy
 from pipeline.training.data import Collator, finetune_examples, read_records
 
@@ -169,14 +171,21 @@ def main(out_dir: Path) -> dict:
     arms = {}
     curve, rate, sft_final = run_arm("sft", tc, sft_model, examples, Collator(tokenizer.pad_token_id, vocab),
                                      loop.supervised_objective(tc.loss), held_out, budget_s, cfg.seed)
-    arms["sft"] = {"curve": curve, "supervised_positions_per_cpu_s": round(rate, 1)}
+    arms["sft"] = {"curve": curve, "supervised_positions_per_cpu_s": round(rate, 1),
+                   "gain_over_start": paired_gain(held_out, sft_final, sft_model)}
     for divergence in Divergence:
         op_tc = OmegaConf.merge(on_policy.phase_config(tc), {"on_policy": {"divergence": divergence.value}})
         objective = on_policy.OnPolicyObjective(op_tc.on_policy, target, vocab, stops, tokenizer.pad_token_id, tc.max_length)
         curve, rate, model = run_arm(f"on_policy_{divergence.value}", op_tc, sft_model, examples,
                                      Collator(tokenizer.pad_token_id, None), objective, held_out, budget_s, cfg.seed)
         arms[f"on_policy_{divergence.value}"] = {"curve": curve, "supervised_positions_per_cpu_s": round(rate, 1),
+                                                 "gain_over_start": paired_gain(held_out, model, sft_model),
                                                  "gain_over_sft_at_budget": paired_gain(held_out, model, sft_final)}
+    k = cfg.eval.num_draft_tokens
+    for arm in arms.values():  # tau predicted from the final per-token acceptances (i.i.d. over the K positions)
+        final = arm["curve"][-1]
+        arm["predicted_tau_at_budget"] = {"T0": round(expected_tokens(final["heldout_t0_agreement"], k), 3),
+                                          "T1": round(expected_tokens(final["heldout_t1_acceptance"], k), 3)}
     result = {
         "pair": PAIR, "drafter": cfg.drafter.name, "sft_drafter": str(directory.path / "drafter"),
         "drafter_source": drafter_source, "examples": len(examples),
