@@ -379,7 +379,7 @@ def test_scaling_finetunes_nested_fractions_and_fits_acceptance_against_data(dis
         assert 1 <= point["predicted"]["T0"]["tau"] <= 1 + result["K"]
     assert set(result["series"]) == {"pf", "f_only", "pf_on_policy"}
     assert all("tau_gain_per_doubling" in fit for fit in result["series"].values())
-    assert result["anchors"]["pf@0.5"]["T0"]["tau"] >= 1
+    assert result["anchors"]["pf@0.5"]["T0"]["tau"] >= 1 and result["anchors"]["pf@0.5"]["tau_measured_over_predicted"]["T0"] > 0
     assert (path / "scaling.png").stat().st_size > 0 and (path / MARKER).exists()
     capsys.readouterr()
     assert cli(["scaling", *args]) == 0  # complete: prints the table, trains and measures nothing

@@ -170,19 +170,23 @@ def trend(points: list[dict]) -> dict | None:
 
 def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    baseline = result["points"][PRETRAINED]["predicted"]
+    baseline, anchors = result["points"][PRETRAINED]["predicted"], result["anchors"]
     for axis, t in zip(axes, ("T0", "T1")):
         for series, fit in result["series"].items():
             rows = [p for p in result["points"].values() if p.get("series") == series]
-            axis.plot([p["records"] for p in rows], [p["predicted"][t]["tau"] for p in rows], marker="o", label=series)
+            slope = f" ({fit['tau_gain_per_doubling']:+.3f} per doubling)" if fit and t == "T0" else ""
+            axis.plot([p["records"] for p in rows], [p["predicted"][t]["tau"] for p in rows], marker="o",
+                      label=series + slope)
         axis.axhline(baseline[t]["tau"], color="grey", linestyle="--", label="pretrained only")
-        measured = [(max(result["points"][name]["records"], 1), anchor[t]["tau"])
-                    for name, anchor in result["anchors"].items() if t in anchor]
-        if measured:  # the pretrained anchor sits at 1 answer on the log axis
+        if t in anchors.get(PRETRAINED, {}):
+            axis.axhline(anchors[PRETRAINED][t]["tau"], color="grey", linestyle=":", label="pretrained only, eval stage")
+        measured = [(result["points"][name]["records"], anchor[t]["tau"])
+                    for name, anchor in anchors.items() if name != PRETRAINED and t in anchor]
+        if measured:
             axis.scatter(*zip(*measured), marker="x", color="black", zorder=3, label="eval stage (measured)")
         axis.set_xscale("log", base=2)
         axis.set(xlabel="distilled answers finetuned on (log scale)", ylabel="tau (tokens per target call)",
-                 title=f"{result['pair']} {t[0]}={t[1]}: tau predicted from teacher-forced acceptance")
+                 title=f"{result['pair']} {t[0]}={t[1]}: teacher-forced prediction (lines), eval (x)")
         axis.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
@@ -232,6 +236,9 @@ def run(cfg: DictConfig, overrides: list[str]) -> None:
             **({"series": name.split("@")[0], "fraction": float(name.split("@")[1])} if name != PRETRAINED else {}),
             "records": drafter["records"], "prompts": drafter["prompts"], "drafter": drafter["folder"], **m,
             "predicted": predictions(m["t0_agreement"]["mean"], m["t1_acceptance"]["mean"], k, costs)}
+    for name, anchor in anchors.items():  # how far the i.i.d. teacher-forced prediction is from decoding
+        anchor["tau_measured_over_predicted"] = {t: round(anchor[t]["tau"] / result["points"][name]["predicted"][t]["tau"], 3)
+                                                 for t in ("T0", "T1") if t in anchor}
     for series in (ScalingSeries(s).value for s in sc.series):
         result["series"][series] = trend([p for p in result["points"].values() if p.get("series") == series])
     result["wall_time_s"] = round(time.time() - started)
