@@ -243,7 +243,7 @@ class TrainConfig:
 @dataclass
 class OnPolicyConfig:
     """On-policy alignment after SFT (pipeline/training/on_policy.py): the drafter drafts, the target scores."""
-    enabled: bool = False  # run the phase after SFT (off: it did not pay on CPU, docs/results/)
+    enabled: bool = False  # run the phase after SFT (off: it did not pay on CPU, docs/results/2026-11-24-on-policy-de-en.md)
     # each: steps_per_round rollout -> score -> train steps, then a checkpoint and the held-out estimate
     rounds: int = 4
     steps_per_round: int = 25  # optimizer steps per round

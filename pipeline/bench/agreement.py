@@ -22,6 +22,7 @@ from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.prompts import prompt_ids
 from pipeline.speculative.engine import CachedModel, generate
+from pipeline.speculative.metrics import mean_and_standard_error
 
 PAIR = "de-en"
 METRICS = ("top1_agreement", "t1_acceptance")  # what per_token returns, in its order
@@ -65,9 +66,7 @@ def main(out_dir: Path) -> dict:
         drafters[name] = {metric: round(float(values.mean()), 4) for metric, values in zip(METRICS, per_token_scores)}
         if name != reference_name and reference is not None:
             for metric, ours, theirs in zip(METRICS, per_token_scores, reference):
-                diff = ours - theirs
-                drafters[name][f"{metric}_minus_{reference_name}"] = {
-                    "mean": round(float(diff.mean()), 4), "standard_error": round(float(diff.std() / len(diff) ** 0.5), 4)}
+                drafters[name][f"{metric}_minus_{reference_name}"] = mean_and_standard_error(ours - theirs)
     answer_tokens = sum(sequence.shape[1] - prompt_len for sequence, prompt_len in sequences)
     result = {"pair": PAIR, "prompts": len(sequences), "answer_tokens": answer_tokens, "drafters": drafters}
     (out_dir / "agreement.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -42,6 +42,7 @@ from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.rundir import stage_dir
 from pipeline.speculative.engine import expected_tokens
+from pipeline.speculative.metrics import mean_and_standard_error
 from pipeline.training import loop, on_policy
 from pipeline.training.data import Collator, finetune_examples, read_records
 
@@ -124,12 +125,8 @@ def scoring_cost(target, vocab, held_out) -> dict:
 
 def paired_gain(held_out, model, reference) -> dict:
     """The model's per-token gain over the reference drafter on the held-out tokens: mean and standard error."""
-    gains = {}
-    for metric, ours, theirs in zip(("t1_acceptance", "t0_agreement"), held_out.per_token(model),
-                                    held_out.per_token(reference)):
-        diff = ours - theirs
-        gains[metric] = {"mean": round(float(diff.mean()), 4), "standard_error": round(float(diff.std() / len(diff) ** 0.5), 4)}
-    return gains
+    return {metric: mean_and_standard_error(ours - theirs) for metric, ours, theirs in zip(
+        ("t1_acceptance", "t0_agreement"), held_out.per_token(model), held_out.per_token(reference))}
 
 
 def plot(arms: dict, path: Path) -> bool:

@@ -68,6 +68,11 @@ def mean_std(values: list[float]) -> dict:
     return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0}
 
 
+def mean_and_standard_error(values: torch.Tensor) -> dict:
+    """Mean and standard error of per-token values (e.g. paired differences between two drafters), rounded."""
+    return {"mean": round(float(values.mean()), 4), "standard_error": round(float(values.std() / len(values) ** 0.5), 4)}
+
+
 def alpha_from_tau(tau: float, k: int) -> float:
     """The i.i.d. acceptance rate whose expected round length (1 − α^(K+1)) / (1 − α) is the measured τ.
 

@@ -39,6 +39,7 @@ from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.rundir import SCALING, StageInputError, make_command, stage_dir
 from pipeline.speculative.engine import CachedModel, expected_tokens, predicted_speedup, step_costs
+from pipeline.speculative.metrics import mean_and_standard_error
 from pipeline.tracking import stage_tracker
 from pipeline.training.data import IGNORE
 from pipeline.training.on_policy import HeldOut
@@ -87,18 +88,16 @@ def run_stage(stage: str, overrides: list[str], what: str, retry: str) -> None:
 
 def drafters(cfg: DictConfig, base: list[str], points: list[Point], retry: str) -> dict[str, dict]:
     """Every point's finetuned drafter (finetuning those not done yet), then the pretrained one:
-    name -> {"folder", "records", "prompts", "config"}."""
+    name -> {"folder", "records", "prompts"}."""
     out = {}
     for point in points:
         overrides = [*base, *point_overrides(cfg, point)]
         run_stage("finetune", overrides, f"scaling point {point.name}", retry)
-        point_cfg = compose_config(overrides)
-        directory = stage_dir(point_cfg, "finetune")
+        directory = stage_dir(compose_config(overrides), "finetune")
         counts = json.loads((directory.path / "manifest.json").read_text())["counts"]
         out[point.name] = {"folder": str(directory.path / "drafter"), "records": counts["records"],
-                           "prompts": counts.get("prompts"), "run": point_cfg.run, "overrides": overrides}
-    pretrain = stage_dir(cfg, "pretrain").path / "drafter"
-    out[PRETRAINED] = {"folder": str(pretrain), "records": 0, "prompts": 0, "run": None, "overrides": base}
+                           "prompts": counts.get("prompts")}  # finetunes made before scaling did not count prompts
+    out[PRETRAINED] = {"folder": str(stage_dir(cfg, "pretrain").path / "drafter"), "records": 0, "prompts": 0}
     return out
 
 
@@ -117,10 +116,6 @@ def anchor_evals(cfg: DictConfig, base: list[str], found: dict[str, dict], retry
     return out
 
 
-def mean_and_error(values: torch.Tensor) -> dict:
-    return {"mean": round(float(values.mean()), 4), "standard_error": round(float(values.std() / len(values) ** 0.5), 4)}
-
-
 @torch.inference_mode()
 def measure(cfg: DictConfig, found: dict[str, dict]) -> tuple[dict, dict, int]:
     """Teacher-forced acceptance of every drafter on the held-out answers, and the step costs c, v(K)."""
@@ -133,7 +128,8 @@ def measure(cfg: DictConfig, found: dict[str, dict]) -> tuple[dict, dict, int]:
     for name, drafter in found.items():
         model, vocab = load_drafter(drafter["folder"], target_path, device=device)
         acceptance, agreement = HeldOut(target, vocab, examples, pad_id).per_token(model)
-        measured[name] = {"t0_agreement": mean_and_error(agreement), "t1_acceptance": mean_and_error(acceptance)}
+        measured[name] = {"t0_agreement": mean_and_standard_error(agreement),
+                          "t1_acceptance": mean_and_standard_error(acceptance)}
     # c and v(K): one drafter stands for all (the same architecture); the first call is a warm-up
     k = cfg.eval.num_draft_tokens
     first_ids = torch.tensor([examples[0]["input_ids"][: examples[0]["labels"].count(IGNORE)]], device=device)
