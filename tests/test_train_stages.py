@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from pipeline.cli import main as cli
@@ -27,6 +28,9 @@ from pipeline.training.loop import EXIT_PREEMPTED, latest_checkpoint
 pytestmark = pytest.mark.slow
 
 PRETRAIN = ["train.pretrain.log_every=1"]
+ON_POLICY = ["train.finetune.log_every=1", "train.finetune.on_policy.enabled=true", "train.finetune.on_policy.rounds=2",
+             "train.finetune.on_policy.steps_per_round=3", "train.finetune.on_policy.batch_size=4",
+             "train.finetune.on_policy.heldout_prompts=2"]
 TWO_PROCESSES = ["train.pretrain.launch=ddp-cpu", "train.pretrain.num_processes=2"]  # a real 2-rank gloo group
 
 # German sources and English translations, as the target's distilled answers (real text).
@@ -340,9 +344,7 @@ def test_finetune_with_on_policy_alignment_after_sft(distilled):
     """The phase inside the stage on the ci recipe (full-vocabulary drafter): SFT, then rounds of drafter
     rollouts scored by the SmolLM2 target, each checkpointed and logged with the held-out estimate."""
     # run=on-policy: the session's plain finetune of the same prompts lives beside it
-    args = overrides(distilled, "run=on-policy", "train.finetune.log_every=1", "train.finetune.on_policy.enabled=true",
-                     "train.finetune.on_policy.rounds=2", "train.finetune.on_policy.steps_per_round=3",
-                     "train.finetune.on_policy.batch_size=4", "train.finetune.on_policy.heldout_prompts=2")
+    args = overrides(distilled, "run=on-policy", *ON_POLICY)
     assert cli(["finetune", *args]) == 0
     path = stage_dir(compose_config(args), "finetune").path
     counts = json.loads((path / "manifest.json").read_text())["counts"]
@@ -355,6 +357,29 @@ def test_finetune_with_on_policy_alignment_after_sft(distilled):
     assert (path / "drafter").exists()
     assert stage_dir(compose_config(overrides(distilled)), "finetune").config_hash != stage_dir(
         compose_config(args), "finetune").config_hash  # the phase is part of the result
+
+
+def test_finetune_preempted_in_the_on_policy_phase_resumes_to_the_uninterrupted_run(distilled, tmp_path):
+    """SIGTERM (as Slurm preempts) inside the phase, after SFT's 20 steps; the stage run again continues from
+    the phase's checkpoint to the same losses and the same drafter as a run never stopped."""
+    reference_args = overrides(distilled, "run=on-policy", *ON_POLICY)
+    assert cli(["finetune", *reference_args]) == 0  # uninterrupted (made already if the test above ran)
+    args = overrides(distilled, "run=on-policy-preempted", *ON_POLICY)
+    path = stage_dir(compose_config(args), "finetune").path
+    with (tmp_path / "stage.log").open("w+") as output:
+        code = signal_after(start_stage("finetune", args, output), path, steps=22)
+        output.seek(0)
+        log = output.read()
+    assert code == EXIT_PREEMPTED, log
+    assert not (path / MARKER).exists() and 22 <= max(read_metrics(path)) < 26, log
+    assert cli(["finetune", *args]) == 0
+    reference = stage_dir(compose_config(reference_args), "finetune").path
+    assert read_metrics(path).keys() == read_metrics(reference).keys()
+    for step, metrics in read_metrics(reference).items():
+        key = "loss" if step <= 20 else "on_policy/loss"
+        assert read_metrics(path)[step][key] == metrics[key], step
+    ours, theirs = (load_file(p / "drafter" / "model.safetensors") for p in (path, reference))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 def test_scaling_finetunes_nested_fractions_and_fits_acceptance_against_data(distilled, capsys):
