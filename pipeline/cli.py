@@ -42,8 +42,8 @@ COMMANDS = {
               "eval.engine", "eval.drafter_path"]),
     "export": ("the finetuned drafter as a folder transformers and vLLM serve, with a README and a smoke check",
                ["export.num_prompts", "eval.num_draft_tokens"]),
-    "scaling": ("Fig. 4: finetune on nested fractions of LANG's distilled data (P-F, F-only, +on-policy) and "
-                "fit acceptance against data", ["scaling.fractions", "scaling.series", "scaling.anchors",
+    "scaling": ("Fig. 4: finetune on nested fractions of LANG's distilled data (P-F, F-only) and fit acceptance "
+                "against data", ["scaling.fractions", "scaling.series", "scaling.anchors",
                                                 "scaling.heldout_prompts", "train.finetune.data_fraction"]),
     "prepare": ("convert the target model and extract the translation sources (once; the stages do it too)",
                 ["target.source", "target.path", "data.sources"]),

@@ -322,8 +322,9 @@ class ScalingConfig:
     """``specdraft scaling`` (pipeline/stages/scaling.py): acceptance against the amount of distilled data."""
     # shares of the distilled prompts finetuned on, nested: a smaller share's prompts are inside a larger one's
     fractions: list[float] = field(default_factory=lambda: [0.125, 0.25, 0.5, 1.0])
-    # the finetunes of each fraction: P-F, F-only, and each followed by train.finetune.on_policy
-    series: list[ScalingSeries] = field(default_factory=lambda: list(ScalingSeries))
+    # the finetunes of each fraction; add pf_on_policy, f_only_on_policy for the on-policy phase after each
+    # (not by default: it did not pay, docs/results/2026-11-24-on-policy-de-en.md)
+    series: list[ScalingSeries] = field(default_factory=lambda: [ScalingSeries.pf, ScalingSeries.f_only])
     # held-out prompts of the eval stage whose greedy target answers every drafter reads (teacher-forced measure)
     heldout_prompts: int = 32
     # points also measured by the eval stage (target vs speculative, first seed): <series>@<fraction> or pretrained

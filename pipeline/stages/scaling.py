@@ -1,8 +1,8 @@
 """``specdraft scaling`` / ``make scaling LANG=de-en``: the paper's Fig. 4 as a command — how the drafter's
 acceptance grows with the pair's distilled data, and how much data a goal would need.
 
-For every series of ``scaling.series`` (``pf``: P-F, ``f_only``: F-only, each also ``*_on_policy`` with
-``train.finetune.on_policy``) and every fraction of ``scaling.fractions`` (of the distilled prompts, nested:
+For every series of ``scaling.series`` (``pf``: P-F, ``f_only``: F-only; ``pf_on_policy`` and
+``f_only_on_policy`` add ``train.finetune.on_policy``, left out by default since it did not pay) and every fraction of ``scaling.fractions`` (of the distilled prompts, nested:
 a smaller fraction's prompts are inside a larger one's), a finetune run ``<run>-scaling-<series>-<fraction>``;
 the point the recipe's own finetune already is (P-F, all the data) is that finetune, reused when complete.
 Finished runs are reused, so an interrupted study resumes at its first unfinished point.
