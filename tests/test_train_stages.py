@@ -167,23 +167,24 @@ def signal_after(child, path, steps: int, signum: int = signal.SIGTERM) -> int:
     return child.wait(timeout=180)
 
 
-def preempt_pretrain(args: list[str], tmp_path) -> tuple:
-    """Start pretrain as a user would, SIGTERM it after 3 logged steps; (stage path, step it stopped at, log)."""
-    path = stage_dir(compose_config(args), "pretrain").path
+def preempt_stage(stage: str, args: list[str], tmp_path, steps: int, stops_before: int) -> tuple:
+    """Start a training stage as a user would, SIGTERM it after ``steps`` logged steps, check it stopped
+    unfinished before step ``stops_before``; (stage path, step it stopped at, log)."""
+    path = stage_dir(compose_config(args), stage).path
     with (tmp_path / "stage.log").open("w+") as output:
-        code = signal_after(start_stage("pretrain", args, output), path, steps=3)
+        code = signal_after(start_stage(stage, args, output), path, steps=steps)
         output.seek(0)
         log = output.read()
     assert code == EXIT_PREEMPTED, log
     assert not (path / MARKER).exists() and not (path / "drafter").exists()
     stopped_at = max(read_metrics(path))
-    assert 3 <= stopped_at < 20, log
+    assert steps <= stopped_at < stops_before, log
     return path, stopped_at, log
 
 
 def test_preempted_two_process_pretrain_stops_both_ranks_at_one_step_and_resumes_exactly(two_processes, tmp_path):
     args = overrides(tmp_path, *PRETRAIN, *TWO_PROCESSES)
-    path, stopped_at, log = preempt_pretrain(args, tmp_path)
+    path, stopped_at, log = preempt_stage("pretrain", args, tmp_path, steps=3, stops_before=20)
     # One checkpoint, of the step both ranks stopped at: each rank saved its RNG state into that step's folder.
     checkpoint = path / "checkpoints" / f"step-{stopped_at:08d}"
     assert [p.name for p in (path / "checkpoints").iterdir()] == [checkpoint.name]
@@ -215,7 +216,7 @@ def test_deepspeed_zero2_on_cpu_shards_its_state_and_resumes_a_preempted_run(two
     """A real DeepSpeed engine (its CPU accelerator, gloo) under accelerate launch, not DDP under another name.
     The first run JIT-builds DeepSpeed's shared-memory comm op (g++, ninja) into ~/.cache/torch_extensions."""
     args = overrides(tmp_path, *PRETRAIN, "train.pretrain.launch=deepspeed-zero2", "train.pretrain.num_processes=2")
-    path, stopped_at, log = preempt_pretrain(args, tmp_path)
+    path, stopped_at, log = preempt_stage("pretrain", args, tmp_path, steps=3, stops_before=20)
     checkpoint = path / "checkpoints" / f"step-{stopped_at:08d}"
     assert json.loads((checkpoint / "step.json").read_text())["deepspeed"] is True, log
     # ZeRO-2: the optimizer state is partitioned, one shard per rank.
@@ -365,13 +366,7 @@ def test_finetune_preempted_in_the_on_policy_phase_resumes_to_the_uninterrupted_
     reference_args = overrides(distilled, "run=on-policy", *ON_POLICY)
     assert cli(["finetune", *reference_args]) == 0  # uninterrupted (made already if the test above ran)
     args = overrides(distilled, "run=on-policy-preempted", *ON_POLICY)
-    path = stage_dir(compose_config(args), "finetune").path
-    with (tmp_path / "stage.log").open("w+") as output:
-        code = signal_after(start_stage("finetune", args, output), path, steps=22)
-        output.seek(0)
-        log = output.read()
-    assert code == EXIT_PREEMPTED, log
-    assert not (path / MARKER).exists() and 22 <= max(read_metrics(path)) < 26, log
+    path, _, _ = preempt_stage("finetune", args, tmp_path, steps=22, stops_before=26)
     assert cli(["finetune", *args]) == 0
     reference = stage_dir(compose_config(reference_args), "finetune").path
     assert read_metrics(path).keys() == read_metrics(reference).keys()
