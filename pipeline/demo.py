@@ -19,16 +19,6 @@ from pipeline.rundir import stage_dir
 RECIPE = "local"
 
 
-def summary_of(metrics: dict) -> dict:
-    """{"T0": {"speedup", "tau", "alpha"}, "T1": ...} of the speculative method on the pair it was trained on."""
-    results = metrics["results"][metrics["trained_on"]]
-    out = {}
-    for t_key, result in results.items():  # "T=0.0", "T=1.0"
-        spec = result["summary"]["speculative"]
-        out[f"T{float(t_key.split('=')[1]):g}"] = {key: spec[key]["mean"] for key in ("speedup", "tau", "alpha")}
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.demo", description=__doc__.splitlines()[0])
     parser.add_argument("pairs", nargs="+")
@@ -43,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
             if not (eval_dir / "COMPLETE").exists():
                 raise ConfigError(f"{eval_dir} is not complete; run `make all LANG={pair}` first")
             metrics = json.loads((eval_dir / "metrics.json").read_text())
-            summary[pair] = summary_of(metrics)
+            summary[pair] = report.summary_of(metrics)
             header = ["method", *[f"{p} {t}" for p, t in report.columns(metrics)]]
             sections += [report.table(report.speedup_table(metrics), header), "",
                          f"report: {eval_dir / 'report.md'}",

@@ -22,6 +22,16 @@ METHOD_NAMES = {"target": "target only", "speculative": "speculative (ours)", "p
                 "hybrid": "lookup, else drafter (ours)", "hf": "HF generate", "hf_assisted": "HF assisted", "router": "language router"}
 
 
+def summary_of(metrics: dict) -> dict:
+    """{"T0": {"speedup", "tau", "alpha"}, "T1": ...} of the speculative method on the pair it was trained on."""
+    results = metrics["results"][metrics["trained_on"]]
+    out = {}
+    for t_key, result in results.items():  # "T=0.0", "T=1.0"
+        spec = result["summary"]["speculative"]
+        out[f"T{float(t_key.split('=')[1]):g}"] = {key: spec[key]["mean"] for key in ("speedup", "tau", "alpha")}
+    return out
+
+
 def cell(summary: dict, key: str, fmt: str = "{:.2f}") -> str:
     if key not in summary:
         return "–"

@@ -37,6 +37,7 @@ from pipeline.device import resolve_device
 from pipeline.evaluation import greedy_heldout_examples
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
+from pipeline.report import summary_of
 from pipeline.rundir import SCALING, StageInputError, make_command, stage_dir
 from pipeline.speculative.engine import CachedModel, expected_tokens, predicted_speedup, step_costs
 from pipeline.speculative.metrics import mean_and_standard_error
@@ -103,8 +104,6 @@ def drafters(cfg: DictConfig, base: list[str], points: list[Point], retry: str) 
 
 def anchor_evals(cfg: DictConfig, base: list[str], found: dict[str, dict], retry: str) -> dict[str, dict]:
     """The eval stage on each anchor's drafter: measured {"T0": {speedup, tau, alpha}, "T1": ...}."""
-    from pipeline.demo import summary_of
-
     out = {}
     for name in cfg.scaling.anchors:
         label = name.replace("@", "-")
