@@ -308,6 +308,14 @@ class EvalConfig:
     # Greedy gate in bf16/fp16: a divergence from the target-only tokens is a numerical tie when the target's
     # top-2 logit gap at the first diverging token is below this (float32 targets: exact, no tolerance)
     tie_tolerance: float = 0.5
+    # Half-precision dtypes tried for a float32 target where the device multiplies them natively (CPU
+    # AVX512-BF16/AMX, AVX512-FP16; CUDA): every method, baseline included, decodes in the one whose verify of
+    # K+1 tokens is fastest and whose one-token step is no slower (pipeline/speculative/costs.py); half
+    # precision is tie-gated. []: target.dtype only
+    dtype_candidates: list[str] = field(default_factory=lambda: ["bfloat16"])
+    # K per method and temperature from the warm-up's acceptance and the measured c and v(K): the K of
+    # {num_draft_tokens, k_sweep} the formula predicts fastest (false: num_draft_tokens for every method)
+    choose_k: bool = True
 
 
 @dataclass
@@ -540,6 +548,8 @@ def validate(cfg: DictConfig) -> None:
         problems.append(f"distill.server.data_parallel must be a positive integer or auto, not {server.data_parallel}")
     if cfg.export.num_prompts < 1:
         problems.append("export.num_prompts must be >= 1")
+    if unknown := [d for d in cfg.eval.dtype_candidates if d not in ("bfloat16", "float16")]:
+        problems.append(f"eval.dtype_candidates: {', '.join(map(str, unknown))} not a half-precision dtype; valid: bfloat16, float16")
     if cfg.eval.tie_tolerance < 0:
         problems.append("eval.tie_tolerance must be >= 0 (a top-2 logit gap)")
     if cfg.eval.engine not in ("transformers", "vllm"):

@@ -4,11 +4,16 @@ CUDA kernels run asynchronously: ``time.perf_counter()`` read right after a forw
 launches, not the work. ``clock(device)`` waits for the device's queued work before reading the time, so
 every timer of the engine, the eval stage and the benchmarks measures what a user waits for. On the CPU
 it is ``perf_counter`` alone.
+
+``half_precision_dtypes(device)`` names the half-precision dtypes the device computes natively, the
+candidates the eval stage may decode in (pipeline/speculative/costs.py).
 """
 
 from __future__ import annotations
 
+import platform
 import time
+from functools import cache
 
 import torch
 
@@ -43,3 +48,39 @@ def clock(device: torch.device) -> float:
     """``perf_counter`` once ``device`` has finished its queued work."""
     synchronize(device)
     return time.perf_counter()
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return frozenset(next(line for line in info if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return frozenset()
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(line for line in info if line.startswith("model name")).split(":", 1)[1].strip()
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+# CPU flags of native half-precision matrix instructions (oneDNN runs bf16 without them too, emulated and slow)
+NATIVE_CPU_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
+
+
+def half_precision_dtypes(device: torch.device) -> list[str]:
+    """The half-precision dtypes ``device`` multiplies natively: on CUDA float16, and bfloat16 from Ampere on;
+    on an x86 CPU those its flags name (AVX512-BF16/AMX for bfloat16, AVX512-FP16/AMX-FP16 for float16)."""
+    if device.type == "cuda":
+        return (["bfloat16"] if torch.cuda.is_bf16_supported(including_emulation=False) else []) + ["float16"]
+    return [dtype for dtype, flags in NATIVE_CPU_FLAGS.items() if cpu_flags() & set(flags)]
+
+
+def relevant_cpu_flags() -> list[str]:
+    """The flags that decide the CPU's matrix speed, for reports: AVX2/AVX-512 and the half-precision ones."""
+    wanted = {"avx2", "avx512f", *(f for flags in NATIVE_CPU_FLAGS.values() for f in flags)}
+    return sorted(cpu_flags() & wanted)

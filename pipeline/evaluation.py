@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import ConfigError, LangConfig, option_file
 from pipeline.data.sources import load_sources
+from pipeline.device import cpu_model, relevant_cpu_flags
 from pipeline.prompts import build_prompt, prompt_ids, stop_strings, stop_token_ids
 from pipeline.speculative import LosslessError
 from pipeline.speculative.engine import CachedModel, StopCondition, generate
@@ -38,7 +39,8 @@ FULL_PRECISION = ("float32", "fp32", "float")  # "float": float32 to torch and t
 def environment(device: torch.device) -> dict:
     env = {
         "device": str(device),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
+        "cpu_flags": relevant_cpu_flags(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -11,12 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from pipeline.evaluation import greedy_gate_line  # noqa: E402
+from pipeline.evaluation import greedy_gate_line
 
 METHOD_NAMES = {"target": "target only", "speculative": "speculative (ours)", "pld": "prompt lookup (PLD)",
                 "hybrid": "lookup, else drafter (ours)", "hf": "HF generate", "hf_assisted": "HF assisted", "router": "language router"}
@@ -76,13 +71,14 @@ def stage_report(metrics: dict) -> str:
         "",
         f"target `{metrics['target']}`, drafter `{metrics['drafter']}`"
         + (f" (reduced vocabulary: {metrics['reduced_vocab']} ids)" if metrics.get("reduced_vocab") else ""),
-        f"K = {metrics['K']}"
+        k_line(metrics)
         + (f" (a draft stops below drafter confidence {metrics['draft_confidence']:g})"
            if metrics.get("draft_confidence") else "")
         + f", max_new_tokens = {metrics['max_new_tokens']}, median of {metrics['repetitions']} "
-        f"repetitions, mean ± std over seeds; {metrics['environment']['device']} "
-        f"({metrics['environment']['cpu_count']} cores), torch {metrics['environment']['torch']}, "
+        f"repetitions, mean ± std over seeds; {machine(metrics['environment'])}, torch {metrics['environment']['torch']}, "
         f"transformers {metrics['environment']['transformers']}",
+        "",
+        dtype_line(metrics),
         "",
         "## Wall-clock speedup over the target alone",
         "",
@@ -95,6 +91,10 @@ def stage_report(metrics: dict) -> str:
         f"Costs measured on this machine: c = {costs['c']:.3f} (drafter step / target step), "
         + ", ".join(f"v(K={k}) = {v:.2f}" for k, v in costs["v"].items()) + ".",
     ]
+    lines += [f"\n**{t_key}, {choice['no_k_pays']}.** Its row above ran at K={choice['k']}, the best the formula "
+              "found; the target alone (K = 0) is faster here."
+              for t_key, by_method in (metrics.get("k_choice") or {}).items()
+              for choice in by_method.values() if "no_k_pays" in choice]
     if sweep:
         lines += ["", "## K sweep (T=0)", "",
                   table([(str(k), [f"{s['alpha']:.2f}", f"{s['tau']:.2f}", f"{s['speedup']:.2f}×",
@@ -115,7 +115,48 @@ def stage_report(metrics: dict) -> str:
     return "\n".join(lines)
 
 
+def pyplot():
+    """matplotlib's pyplot (Agg), imported only where a plot is drawn: a bare GPU box may lack it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def machine(environment: dict) -> str:
+    """Where an eval ran, as its report names it: the GPU, else the CPU model, cores and matrix flags."""
+    if "gpu" in environment:
+        return f"{environment['gpu']} (CUDA {environment['cuda']})"
+    flags = f", {' '.join(environment['cpu_flags'])}" if environment.get("cpu_flags") else ""
+    return f"{environment['cpu']} ({environment['cpu_count']} cores{flags})"
+
+
+def k_line(metrics: dict) -> str:
+    """K as the eval ran it: per temperature and method where chosen from the measured costs."""
+    choice = metrics.get("k_choice")
+    if not choice:
+        return f"K = {metrics['K']}"
+    return "K chosen from the measured costs and the warm-up's acceptance: " + "; ".join(
+        f"{t_key}: " + ", ".join(f"{METHOD_NAMES[m]} {c['k']}" for m, c in by_method.items())
+        for t_key, by_method in choice.items())
+
+
+def dtype_line(metrics: dict) -> str:
+    """The target's dtype in decoding, and the timings that chose it where the eval chose it."""
+    choice = metrics.get("target_dtype_choice") or {}
+    if "timings" not in choice:
+        return f"Target decoded in {metrics['target_dtype']}."
+    timed = "; ".join(f"{dtype}: one-token step {t['step_s'] * 1e3:.1f} ms, verify of {choice['verify_tokens']} "
+                      f"tokens {t['verify_s'] * 1e3:.1f} ms" for dtype, t in choice["timings"].items())
+    changed = f", not the recipe's {choice['recipe']}" if choice["chosen"] != choice["recipe"] else ""
+    return (f"Target decoded in {choice['chosen']}{changed} (every method, the target alone too), the fastest "
+            f"verify measured at the start of this eval: {timed}.")
+
+
 def plot_speedup(metrics: dict, path: Path) -> None:
+    plt = pyplot()
     cols = columns(metrics)
     methods = [m for m in METHOD_NAMES if any(m in metrics["results"][p][t]["summary"] for p, t in cols)]
     fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(cols) * len(methods) / 2, 4))
@@ -134,6 +175,7 @@ def plot_speedup(metrics: dict, path: Path) -> None:
 
 
 def plot_acceptance(metrics: dict, path: Path) -> None:
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for pair, by_t in metrics["results"].items():
         for t, result in by_t.items():
@@ -152,6 +194,11 @@ def plot_acceptance(metrics: dict, path: Path) -> None:
 
 def write_stage_report(metrics: dict, folder: Path) -> None:
     (folder / "report.md").write_text(stage_report(metrics))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("report: matplotlib is not installed; report.md written, no plots", flush=True)
+        return
     plot_speedup(metrics, folder / "speedup.png")
     plot_acceptance(metrics, folder / "acceptance.png")
 

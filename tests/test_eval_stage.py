@@ -247,3 +247,34 @@ def test_eval_resumes_after_sigterm_and_kill_measuring_only_the_missing_prompts(
     assert metrics["lossless"]["greedy_prompts_checked"] == cfg.eval.num_prompts
     assert "Resumed: measured in 3 sessions" in (out / "report.md").read_text()
     assert (out / "COMPLETE").exists()
+
+
+@pytest.mark.slow
+def test_eval_chooses_target_dtype_and_k_from_measured_costs_and_says_when_no_k_pays(ci_drafter, runs_dir, monkeypatch,
+                                                                                     capsys):
+    """Injected costs of a machine where bf16 verifies fastest and no K pays (issue 30's Xeon: v(K) ~2): the eval
+    decodes every method in bf16 (tie-gated), picks K per method, and says in one line why the drafter cannot pay."""
+    from pipeline.stages import eval as eval_stage
+
+    monkeypatch.setattr(eval_stage, "half_precision_dtypes", lambda device: ["bfloat16"])
+    monkeypatch.setattr(eval_stage, "time_steps", lambda models, ids, k: {
+        "float32": {"step_s": 0.050, "verify_s": 0.104}, "bfloat16": {"step_s": 0.049, "verify_s": 0.053}})
+    monkeypatch.setattr(eval_stage, "step_costs", lambda target, drafter, ids, ks: {
+        "target_step_s": 0.05, "drafter_step_s": 0.01, "c": 0.2, "v": {k: 1.9 + 0.05 * k for k in ks}})
+    args = ["eval", "recipe=ci", f"paths.runs_dir={runs_dir}", f"eval.drafter_path={ci_drafter}", "eval.warmup=1",
+            "eval.dtype_candidates=[bfloat16]"]
+    assert cli.main(args) == 0
+    printed = capsys.readouterr().out
+    metrics = json.loads((next(runs_dir.glob("**/eval")) / "metrics.json").read_text())
+    assert metrics["target_dtype"] == "bfloat16" and metrics["lossless"]["tie_tolerance"] == 0.5
+    assert metrics["target_dtype_choice"]["recipe"] == "float32" and metrics["lossless"]["mismatches"] == []
+    choice = metrics["k_choice"]["T=0.0"]["speculative"]
+    # a random drafter accepts next to nothing: with c 0.2 and v(K) ~2 the target alone is faster
+    assert choice["recommended_k"] == 0 and choice["k"] == 2
+    assert f"eval: T=0.0 {choice['no_k_pays']}" in printed
+    assert "no K pays on this CPU (" in choice["no_k_pays"] and "to break even" in choice["no_k_pays"]
+    greedy = metrics["results"]["de-en"]["T=0.0"]["summary"]
+    assert {"speculative", "speculative_k4"} <= set(greedy) and "speculative_k2" not in greedy  # K=2 is the main row
+    report = (next(runs_dir.glob("**/eval")) / "report.md").read_text()
+    assert "Target decoded in bfloat16, not the recipe's float32" in report and choice["no_k_pays"] in report
+    assert "K chosen from the measured costs" in report

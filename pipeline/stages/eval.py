@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from pipeline import report
 from pipeline.config import EVAL_METHODS
-from pipeline.device import resolve_device
+from pipeline.device import cpu_model, half_precision_dtypes, resolve_device
 from pipeline.evaluation import (
     SUMMARY_KEYS,
     GreedyGate,
@@ -73,6 +73,7 @@ from pipeline.speculative.engine import (
     step_costs,
     top2_gap,
 )
+from pipeline.speculative.costs import canonical_dtype, choose_k, dtype_candidates, no_k_pays, pick_dtype, time_steps
 from pipeline.speculative.metrics import measure, method_stats, speedup, timed
 from pipeline.speculative.router import LanguageRouter
 from pipeline.speculative.sampler import Sampling
@@ -103,17 +104,24 @@ class Decoders:
         self.router = LanguageRouter(
             {src: ModelDrafter(model.eval(), vocab, confidence) for src, (model, vocab) in router_drafters.items()},
             self.drafter)
+        self.k_choice: dict = {}  # "T=<t>" -> method -> costs.choose_k's record (eval.choose_k)
 
-    def variants(self, first_pass: bool, pair: str) -> list[tuple[str, str, int]]:
+    def k(self, t: float, method: str) -> int:
+        """The method's K at temperature t: chosen from the measured costs, else eval.num_draft_tokens; the router
+        and transformers' assisted generation take the speculative method's."""
+        method = "speculative" if method in ("router", "hf_assisted") else method
+        return self.k_choice.get(f"T={t}", {}).get(method, {}).get("k", self.cfg.eval.num_draft_tokens)
+
+    def variants(self, first_pass: bool, pair: str, t: float) -> list[tuple[str, str, int]]:
         """(name, method, K) to run; the K sweep only in the first (T=0, first seed) pass; the router
         only on the mixed set."""
         ev = self.cfg.eval
         chosen = [m for m in METHODS if m == "target" or m in ev.methods or (m == "router" and pair == MIXED)]
         if not self.hf_assisted and "hf_assisted" in chosen:
             chosen.remove("hf_assisted")
-        out = [(m, m, ev.num_draft_tokens) for m in chosen]
+        out = [(m, m, self.k(t, m)) for m in chosen]
         if first_pass and "speculative" in chosen:
-            out += [(f"speculative_k{k}", "speculative", k) for k in ev.k_sweep if k != ev.num_draft_tokens]
+            out += [(f"speculative_k{k}", "speculative", k) for k in ev.k_sweep if k != self.k(t, "speculative")]
         return out
 
     def decode(self, method: str, k: int, ids: torch.Tensor, sampling: Sampling, seed: int, routed=None):
@@ -146,8 +154,6 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
                                                                      device=device)
                        for pair in ev.router_langs}
     tokenizer = load_tokenizer(target_path)
-    target_model = load_model(target_path, cfg.target.dtype, device)
-    decoders = Decoders(cfg, target_model, drafter_model.eval(), vocab_map, tokenizer, router_drafters, device)
 
     pairs = eval_pairs(cfg)
     prompts = {pair: heldout_prompts(cfg, pair, tokenizer) for pair in {*pairs, *ev.router_langs}}
@@ -159,37 +165,64 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
     token_ids = {prompt: torch.tensor([prompt_ids(prompt, tokenizer)], device=device)
                  for pair in pairs for _, prompt in prompts[pair]}
 
-    # (temperature, pair, seed, its variants): greedy output does not depend on the seed
-    blocks = [(t, pair, seed, decoders.variants(first_pass=t == 0 and i == 0, pair=pair))
-              for t in ev.temperatures for pair in pairs
-              for i, seed in enumerate(list(ev.seeds) if t > 0 else list(ev.seeds)[:1])]
     path = directory.path
     rows = {row_key(row): row for row in (read_jsonl(path / SAMPLES) if (path / SAMPLES).exists() else [])}
     progress = json.loads((path / PROGRESS).read_text()) if (path / PROGRESS).exists() else {"sessions": []}
     session = len(progress["sessions"])
-    todo = sum(len(variants) for t, pair, seed, variants in blocks for example, _ in prompts[pair]
-               if (pair, t, seed, example.id) not in rows)
-    total = sum(len(variants) * len(prompts[pair]) for _, pair, _, variants in blocks)
+    first_ids = token_ids[prompts[cfg.lang.pair][0][1]]
+    if "target_dtype" not in progress:  # rows of an earlier session were decoded in the recipe's dtype
+        progress["target_dtype"] = ({"chosen": canonical_dtype(cfg.target.dtype)} if progress["sessions"]
+                                    else choose_target_dtype(cfg, target_path, device, first_ids))
+    target_dtype = progress["target_dtype"]["chosen"]
+    target_model = load_model(target_path, target_dtype, device)
+    decoders = Decoders(cfg, target_model, drafter_model.eval(), vocab_map, tokenizer, router_drafters, device)
+    decoders.k_choice = progress.get("k_choice", {})
+
+    def plan() -> list:
+        """(temperature, pair, seed, its variants): greedy output does not depend on the seed."""
+        return [(t, pair, seed, decoders.variants(first_pass=t == 0 and i == 0, pair=pair, t=t))
+                for t in ev.temperatures for pair in pairs
+                for i, seed in enumerate(list(ev.seeds) if t > 0 else list(ev.seeds)[:1])]
+
+    def decodes_left(blocks: list) -> int:
+        return sum(len(variants) for t, pair, seed, variants in blocks for example, _ in prompts[pair]
+                   if (pair, t, seed, example.id) not in rows)
+
+    blocks = plan()
+    todo = decodes_left(blocks)
     if rows:
-        print(f"eval: resuming: {total - todo} of {total} decodes already measured in {session} earlier "
-              f"session(s) of {path / SAMPLES}", flush=True)
+        print(f"eval: resuming: {sum(len(v) * len(prompts[p]) for _, p, _, v in blocks) - todo} decodes already "
+              f"measured in {session} earlier session(s) of {path / SAMPLES}", flush=True)
 
     with preemption_signals() as received:
         if todo:
-            first_ids = token_ids[prompts[cfg.lang.pair][0][1]]
+            pilot = {}  # the warm-up's decodes: the acceptance that chooses K
             for t in ev.temperatures:
                 for _ in range(ev.warmup):
-                    for _, method, k in decoders.variants(first_pass=True, pair=cfg.lang.pair):
-                        decoders.decode(method, k, first_ids, Sampling(t, ev.top_k, ev.top_p), ev.seeds[0])
+                    for name, method, k in decoders.variants(first_pass=True, pair=cfg.lang.pair, t=t):
+                        pilot[t, name] = decoders.decode(method, k, first_ids, Sampling(t, ev.top_k, ev.top_p),
+                                                         ev.seeds[0])
             if "costs" not in progress:  # after the warm-up: a cold GPU measures allocation, not steps
                 ks = sorted({ev.num_draft_tokens, *ev.k_sweep})
                 progress["costs"] = step_costs(decoders.target, decoders.drafter.lm, first_ids, ks)
+                if ev.choose_k:
+                    progress["k_choice"] = choose_ks(cfg, pilot, step_costs_of(progress), device)
+                    decoders.k_choice = progress["k_choice"]
             progress["sessions"].append({"started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                          "host": socket.gethostname(), "device": str(device)})
             write_atomic(path / PROGRESS, json.dumps(progress, indent=2) + "\n")
             costs = step_costs_of(progress)
-            print(f"eval: c = {costs['c']:.3f}, v(K={ev.num_draft_tokens}) = {costs['v'][ev.num_draft_tokens]:.2f}",
-                  flush=True)
+            print(f"eval: c = {costs['c']:.3f}, " + ", ".join(f"v({k}) = {v:.2f}" for k, v in costs["v"].items())
+                  + f"; target in {target_dtype}", flush=True)
+            for t_key, by_method in decoders.k_choice.items():
+                print(f"eval: K at {t_key}: " + ", ".join(f"{m} {c['k']} (α {c['alpha']:.2f})"
+                                                          for m, c in by_method.items()), flush=True)
+                for choice in by_method.values():
+                    if "no_k_pays" in choice:
+                        print(f"eval: {t_key} {choice['no_k_pays']}", flush=True)
+            blocks = plan()
+            todo = decodes_left(blocks)
+        total = sum(len(variants) * len(prompts[pair]) for _, pair, _, variants in blocks)
         out = AppendOnlyJsonl(path / SAMPLES)
         bar = tqdm(total=total, initial=total - todo, desc="eval decodes", unit="decode", file=sys.stderr,
                    disable=not todo)
@@ -221,7 +254,7 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
             bar.close()
 
     costs = step_costs_of(progress)
-    results, gate = {}, GreedyGate(tie_tolerance(cfg.target.dtype, ev.tie_tolerance))
+    results, gate = {}, GreedyGate(tie_tolerance(target_dtype, ev.tie_tolerance))
     for t, pair, seed, variants in blocks:
         block_rows = [rows[pair, t, seed, example.id] for example, _ in prompts[pair]]
         outputs = {name: [generation_of(row["methods"][name]) for row in block_rows] for name, _, _ in variants}
@@ -245,7 +278,8 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
 
     metrics = {
         "target": target_path,
-        "target_dtype": cfg.target.dtype,
+        "target_dtype": target_dtype,
+        "target_dtype_choice": progress["target_dtype"],
         "drafter": drafter_path,
         "reduced_vocab": vocab_map.drafter_vocab_size - 1 if vocab_map is not None else None,
         "trained_on": cfg.lang.pair,
@@ -254,7 +288,8 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
         "max_new_tokens": ev.max_new_tokens,
         "repetitions": ev.repetitions,
         "costs": costs,
-        "k_sweep": k_sweep(results, cfg.lang.pair, ev.num_draft_tokens),
+        "k_choice": decoders.k_choice,
+        "k_sweep": k_sweep(results, cfg.lang.pair, decoders.k(0.0, "speculative")),
         "results": results,
         "lossless": gate.summary(),
         "hf_assisted": "run" if decoders.hf_assisted else "skipped: reduced-vocabulary drafter",
@@ -268,6 +303,42 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
     gate.enforce("greedy outputs differ from the target's own", path)
     return {"prompts": sum(len(p) for p in prompts.values()), "languages": len(pairs), "greedy_mismatches": 0,
             "greedy_ties": len(gate.ties), "sessions": len(progress["sessions"])}
+
+
+def choose_target_dtype(cfg: DictConfig, target_path: str, device: torch.device, prompt_ids: torch.Tensor) -> dict:
+    """The dtype every method decodes the target in: the candidate (pipeline/speculative/costs.py) whose verify of
+    K+1 tokens is fastest on this machine, timed here; the recipe's dtype where there is no other candidate."""
+    ev = cfg.eval
+    candidates = dtype_candidates(cfg.target.dtype, list(ev.dtype_candidates), half_precision_dtypes(device))
+    if len(candidates) == 1:
+        return {"chosen": candidates[0]}
+    timings = time_steps({dtype: load_model(target_path, dtype, device) for dtype in candidates}, prompt_ids,
+                         ev.num_draft_tokens)
+    chosen = pick_dtype(timings, cfg.target.dtype)
+    print(f"eval: target in {chosen} (recipe: {cfg.target.dtype}), measured here: "
+          + "; ".join(f"{dtype} step {t['step_s'] * 1e3:.1f} ms, verify of {ev.num_draft_tokens + 1} tokens "
+                      f"{t['verify_s'] * 1e3:.1f} ms" for dtype, t in timings.items()), flush=True)
+    return {"chosen": chosen, "recipe": canonical_dtype(cfg.target.dtype), "verify_tokens": ev.num_draft_tokens + 1,
+            "timings": timings}
+
+
+def choose_ks(cfg: DictConfig, pilot: dict, costs: dict, device: torch.device) -> dict:
+    """K per temperature and drafting method from the warm-up decodes' acceptance (every K of the sweep pooled)
+    and the measured costs; a method no K pays for gets the one line that says what it would need."""
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({cpu_model()})"
+    choice = {}
+    for t in cfg.eval.temperatures:
+        for method in ("speculative", "pld", "hybrid"):
+            runs = [g for (pt, name), g in pilot.items() if pt == t and name.split("_k")[0] == method]
+            stats = method_stats(runs) if runs else {}
+            if "alpha" not in stats:
+                continue
+            c = costs["c"] if method in MODEL_DRAFTED else 0.0
+            picked = choose_k(stats["alpha"], c, costs["v"]) | {"tau": stats["tau"]}
+            if picked["recommended_k"] == 0:
+                picked["no_k_pays"] = no_k_pays(method, picked["k"], c, costs["v"][picked["k"]], stats["tau"], machine)
+            choice.setdefault(f"T={t}", {})[method] = picked
+    return choice
 
 
 def row_key(row: dict) -> tuple:

@@ -1,0 +1,88 @@
+"""What a decoding round costs on this machine, and the two choices the eval stage makes from it.
+
+- **The target's dtype** (``eval.dtype_candidates``). Where ``target.dtype`` is float32 and the device multiplies
+  a half-precision dtype natively (pipeline/device.py), each candidate is loaded and its one-token step and its
+  verify of K+1 tokens are timed, interleaved. Every method (the target-only baseline too) then decodes with the
+  candidate whose verify is fastest among those whose one-token step is no slower than float32's: the baseline
+  is never slowed to flatter the ratio. Why: on some CPUs a float32 forward over 2–16 tokens falls into a
+  skinny-matrix BLAS path twice as slow as the one-token one (v(4) = 2.07 on a 2-core Xeon), while native bf16
+  stays near the one-token cost. Half precision changes the target's greedy output only at numerical ties,
+  which the greedy gate tolerates (pipeline/evaluation.py).
+- **K per method and temperature** (``eval.choose_k``). From the acceptance α of the warm-up decodes and the
+  measured c and v(K), the K among the measured ones whose predicted speedup (engine.predicted_speedup) is
+  highest. When no K is predicted above 1, the method still runs at that K (so the table shows what it
+  measures), its recommended K is 0 (the target alone) and one line says what the drafter would need.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from pipeline.speculative.engine import CachedModel, predicted_speedup, timed_forward
+
+# The one-token step of a half-precision candidate may be this much slower than float32's (timing noise).
+STEP_SLACK = 1.05
+
+
+def canonical_dtype(name: str) -> str:
+    """``float``/``fp32``-style names as torch names them (float32, bfloat16, float16)."""
+    return str(getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(name, name))).removeprefix("torch.")
+
+
+def dtype_candidates(recipe_dtype: str, wanted: list[str], native: list[str]) -> list[str]:
+    """The recipe's dtype first, then the wanted half-precision dtypes the device runs natively; a target
+    already in half precision has no candidates but itself."""
+    recipe_dtype = canonical_dtype(recipe_dtype)
+    if recipe_dtype != "float32":
+        return [recipe_dtype]
+    return [recipe_dtype, *(d for d in map(canonical_dtype, wanted) if d in native and d != recipe_dtype)]
+
+
+def forward_seconds(models: dict[str, torch.nn.Module], prompt_ids: torch.Tensor, ns: list[int],
+                    repetitions: int = 9) -> dict[str, dict[int, float]]:
+    """Median seconds of each model's forward over n new tokens after ``prompt_ids``, for each n of ``ns``; the
+    models and sizes interleaved so load changes hit them alike, after one untimed round."""
+    lms = {name: CachedModel(model) for name, model in models.items()}
+    for lm in lms.values():
+        lm.forward(prompt_ids, keep=1)
+    tokens = prompt_ids[:, -1:].repeat(1, max(ns))
+    times = {name: {n: [] for n in ns} for name in lms}
+    for repetition in range(repetitions + 1):
+        for name, lm in lms.items():
+            for n in ns:
+                seconds = timed_forward(lm, tokens[:, :n])
+                if repetition:
+                    times[name][n].append(seconds)
+    return {name: {n: statistics.median(values) for n, values in by_n.items()} for name, by_n in times.items()}
+
+
+def time_steps(models: dict[str, torch.nn.Module], prompt_ids: torch.Tensor, k: int) -> dict:
+    """Each model's one-token step and verify of k+1 tokens, median seconds (forward_seconds)."""
+    return {name: {"step_s": by_n[1], "verify_s": by_n[k + 1]}
+            for name, by_n in forward_seconds(models, prompt_ids, [1, k + 1]).items()}
+
+
+def pick_dtype(timings: dict, recipe_dtype: str) -> str:
+    """The candidate with the fastest verify among those whose one-token step is within STEP_SLACK of the
+    recipe dtype's."""
+    base = timings[canonical_dtype(recipe_dtype)]["step_s"]
+    eligible = [dtype for dtype, t in timings.items() if t["step_s"] <= base * STEP_SLACK]
+    return min(eligible, key=lambda dtype: timings[dtype]["verify_s"])
+
+
+def choose_k(alpha: float, c: float, v: dict[int, float]) -> dict:
+    """The K of ``v`` with the highest predicted speedup; recommended K 0 when none is predicted above 1."""
+    predicted = {k: predicted_speedup(alpha, k, c, v[k]) for k in sorted(v)}
+    best = max(predicted, key=predicted.get)
+    return {"k": best, "recommended_k": best if predicted[best] > 1 else 0, "alpha": alpha,
+            "predicted_speedup": predicted}
+
+
+def no_k_pays(method: str, k: int, c: float, v: float, tau: float, machine: str) -> str:
+    """The one line that says why no K pays: what a round costs and the τ it would need."""
+    cost = k * c + v
+    return (f"{method}: no K pays on this {machine}: a round of {k} drafts costs {cost:.2f} target steps "
+            f"({k} × c {c:.3f} + v({k}) {v:.2f}); the drafter would need τ ≥ {cost:.2f} to break even; "
+            f"τ in the warm-up decodes {tau:.2f}")
