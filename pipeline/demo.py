@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
             if not (eval_dir / "COMPLETE").exists():
                 raise ConfigError(f"{eval_dir} is not complete; run `make all LANG={pair}` first")
             metrics = json.loads((eval_dir / "metrics.json").read_text())
-            summary[pair] = report.summary_of(metrics)
+            summary[pair] = report.summary_of(metrics) | {"machine": machine_of(metrics)}
             header = ["method", *[f"{p} {t}" for p, t in report.columns(metrics)]]
             sections += [report.table(report.speedup_table(metrics), header), "",
                          f"report: {eval_dir / 'report.md'}",
@@ -50,10 +50,23 @@ def main(argv: list[str] | None = None) -> int:
         line = ", ".join(f"{t}: speedup {m['speedup']:.2f}x, tau {m['tau']:.2f}, alpha {m['alpha']:.2f}"
                          for t, m in summary[pair].items())
         print(f"{pair} speculative (ours) — {line}")
+        m = summary[pair]["machine"]
+        print(f"{pair} on {m['cpu']}: target in {m['target_dtype']}, c = {m['c']:.3f}, "
+              + ", ".join(f"v({k}) = {v:.2f}" for k, v in m["v"].items()) + ", K chosen: "
+              + "; ".join(f"{t} " + ", ".join(f"{method} {k}" for method, k in ks.items()) for t, ks in m["k"].items()))
     if args.started:
         print(f"demo wall time: {summary['wall_time_s'] / 60:.1f} min")
     print(f"-> {out}")
     return 0
+
+
+def machine_of(metrics: dict) -> dict:
+    """Where and how the eval measured: CPU model and flags, the target's dtype, c, v(K) and the chosen K."""
+    env = metrics["environment"]
+    return {"cpu": env["cpu"], "cpu_flags": env.get("cpu_flags", []), "target_dtype": metrics["target_dtype"],
+            "c": metrics["costs"]["c"], "v": metrics["costs"]["v"],
+            "k": {t: {method: choice["recommended_k"] for method, choice in by_method.items()}
+                  for t, by_method in (metrics.get("k_choice") or {}).items()}}
 
 
 if __name__ == "__main__":
