@@ -1,5 +1,6 @@
-"""Append-only JSONL files that survive a ``kill -9``: the distill stage's records and the eval stage's
-per-prompt results are written one durable line at a time and read back without a torn last line."""
+"""Append-only JSONL files that survive a ``kill -9`` or a full disk: the distill stage's records, the eval
+stage's per-prompt results and the training metrics are written one durable line at a time and read back
+without a torn last line."""
 
 from __future__ import annotations
 
@@ -8,15 +9,21 @@ import os
 from pathlib import Path
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The complete lines of an append-only JSONL file; a torn last line (kill -9 mid-write) is cut off."""
-    data = path.read_bytes()
+def cut_torn_tail(path: Path) -> bytes:
+    """The complete lines of ``path``; a torn last line (kill -9 or a full disk mid-write) is cut off the file, so
+    the next append starts a line of its own."""
+    data = path.read_bytes() if path.exists() else b""
     complete = data[: data.rfind(b"\n") + 1]
     if len(complete) != len(data):
         with path.open("r+b") as handle:
             handle.truncate(len(complete))
+    return complete
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The complete lines of an append-only JSONL file (cut_torn_tail)."""
     # split at "\n" only: str.splitlines would also cut at U+2028 and the like, which JSON keeps raw in answers
-    return [json.loads(line) for line in complete.decode().split("\n") if line.strip()]
+    return [json.loads(line) for line in cut_torn_tail(path).decode().split("\n") if line.strip()]
 
 
 class AppendOnlyJsonl:
@@ -27,6 +34,7 @@ class AppendOnlyJsonl:
 
     def append(self, record: dict) -> None:
         if self.handle is None:
+            cut_torn_tail(self.path)
             self.handle = self.path.open("a")
         self.handle.write(json.dumps(record, ensure_ascii=False) + "\n")
         self.handle.flush()

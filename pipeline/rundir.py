@@ -21,6 +21,8 @@ A complete stage with the same hash is skipped; one with a different hash is ref
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.metadata
 import json
 import os
@@ -35,6 +37,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import REPO_ROOT, FinetuneMode, config_hash, sections
+from pipeline.durable import write_atomic
 
 STAGES = ("distill", "pretrain", "finetune", "eval")  # the pipeline: `make all` and Slurm's chain
 EXPORT = "export"  # after a finetune, on demand: the drafter in the forms transformers and vLLM serve
@@ -71,12 +74,6 @@ class StageInputError(RuntimeError):
 
 class StageConflictError(RuntimeError):
     """The stage directory holds results of a different config."""
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def git_revision() -> str:
@@ -127,6 +124,34 @@ class StageDir:
             return None
         return json.loads(self.manifest_path.read_text()).get("config_hash")
 
+    @property
+    def lock_path(self) -> Path:
+        """Beside the directory, not in it: ``force=true`` moves the directory aside, never the lock."""
+        return self.path.with_name(f".{self.path.name}.lock")
+
+    @contextlib.contextmanager
+    def claim(self):
+        """Hold the stage's exclusive lock from before ``begin`` (which may move a directory aside) to after
+        ``finish``: a second run of the stage into this directory, ``force=true`` included, is refused in one
+        line naming the holder. flock: the kernel releases it when the holder dies, even by kill -9."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self.lock_path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            handle.close()
+            raise StageConflictError(f"another {self.stage} run holds {self.path} ({holder}): wait for it to end or "
+                                     "stop it; this run changed nothing") from None
+        try:
+            handle.truncate(0)
+            handle.write(f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
+            handle.flush()
+            yield self
+        finally:
+            handle.close()  # releases the lock
+
     def begin(self, cfg: DictConfig, force: bool = False) -> bool:
         """Prepare the directory. Returns False when the stage is already complete (skip it)."""
         recorded = self.recorded_hash()
@@ -144,6 +169,7 @@ class StageDir:
         elif self.is_complete():
             return False
         self.path.mkdir(parents=True, exist_ok=True)
+        self.path.chmod(0o700)  # configs, logs and data of one user: not readable by the node's other users
         self._write_manifest(cfg, status="running")
         return True
 

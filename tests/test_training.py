@@ -81,11 +81,14 @@ def test_interrupted_then_resumed_run_reproduces_the_losses_exactly(tmp_path):
     # The signal arrived after step 7's stop check: the loop finishes step 8, checkpoints and stops.
     assert stopped.value.code == loop.EXIT_PREEMPTED and stopped.value.step == 8
     assert loop.latest_checkpoint(tmp_path / "b").name == "step-00000008"
+    # nothing in a checkpoint is unpickled with weights_only=False: the schedule is rebuilt from step.json
+    assert not list(loop.latest_checkpoint(tmp_path / "b").glob("custom_checkpoint_*"))
     assert signal.getsignal(signal.SIGTERM) is handler_before  # training restored the previous handler
 
     resumed = run(tc, examples, tmp_path / "b", model=tiny_model(seed=1))  # the checkpoint's weights win
     assert sorted(resumed) == list(range(1, 13))
     assert [resumed[s]["loss"] for s in range(1, 13)] == [uninterrupted[s]["loss"] for s in range(1, 13)]
+    assert [resumed[s]["lr"] for s in range(1, 13)] == [uninterrupted[s]["lr"] for s in range(1, 13)]
     assert resumed[12]["tokens_seen"] == uninterrupted[12]["tokens_seen"]
 
 

@@ -59,7 +59,8 @@ from pipeline.jsonl import AppendOnlyJsonl, read_jsonl
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.prompts import prompt_ids
-from pipeline.rundir import StageInputError, make_command, stage_dir, write_atomic
+from pipeline.durable import write_atomic
+from pipeline.rundir import StageInputError, make_command, stage_dir
 from pipeline.speculative.engine import (
     CachedModel,
     Generation,

@@ -36,7 +36,10 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import Config, ConfigError, option_file
+from pipeline.durable import write_atomic
+from pipeline.jsonl import AppendOnlyJsonl, read_jsonl
 from pipeline.rundir import StageDir, stage_dir
+from pipeline.serving.server import free_port
 from pipeline.tracking import Tracker
 from pipeline.training.loop import EXIT_PREEMPTED
 
@@ -51,11 +54,10 @@ class MetricsLog:
     """Appends each logged step to ``metrics.jsonl`` and forwards it to the tracker."""
 
     def __init__(self, path: Path, tracker: Tracker | None = None):
-        self.path, self.tracker = path, tracker
+        self.lines, self.tracker = AppendOnlyJsonl(path), tracker
 
     def __call__(self, metrics: dict, step: int) -> None:
-        with self.path.open("a") as handle:
-            handle.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.lines.append({"step": step, **metrics})
         if self.tracker is not None:
             self.tracker.log(metrics, step=step)
 
@@ -63,8 +65,7 @@ class MetricsLog:
 def read_metrics(stage_path: Path) -> dict[int, dict]:
     """Logged metrics by step; a step logged twice (re-run after a hard kill) keeps its last line."""
     path = Path(stage_path) / METRICS
-    lines = path.read_text().splitlines() if path.exists() else []
-    return {row["step"]: row for row in map(json.loads, lines)}
+    return {row["step"]: row for row in (read_jsonl(path) if path.exists() else [])}
 
 
 def processes(cfg: DictConfig, stage: str) -> int:
@@ -85,11 +86,14 @@ def processes(cfg: DictConfig, stage: str) -> int:
 
 def accelerate_command(cfg: DictConfig, stage: str, config_file: Path) -> list[str]:
     tc = cfg.train[stage]
+    extra = shlex.split(os.environ.get("SPECDRAFT_LAUNCH_ARGS", ""))  # multi-node: slurm/train-node.sh's rendezvous
+    # a free port, not a fixed one: two trainings on one node would otherwise join each other's process group
+    port = [] if "--main_process_port" in extra else ["--main_process_port", str(free_port())]
     return [
         sys.executable, "-m", "pipeline.training.launcher",  # accelerate launch, less its traceback
         "--config_file", str(option_file("launch", tc.launch)),
         "--num_processes", str(processes(cfg, stage)),
-        *shlex.split(os.environ.get("SPECDRAFT_LAUNCH_ARGS", "")),
+        *port, *extra,
         "-m", "pipeline.training.launch", stage, str(config_file),
     ]
 
@@ -202,9 +206,7 @@ def report_error(exc: Exception) -> bool:
         report = {"rank": rank, "type": f"{type(exc).__module__}.{type(exc).__qualname__}", "message": str(exc),
                   "user_error": user_error, "time": time.time()}
         Path(errors_dir).mkdir(parents=True, exist_ok=True)
-        tmp = Path(errors_dir) / f".rank-{rank}.tmp"
-        tmp.write_text(json.dumps(report) + "\n")
-        os.replace(tmp, Path(errors_dir) / f"rank-{rank}.json")
+        write_atomic(Path(errors_dir) / f"rank-{rank}.json", json.dumps(report) + "\n")
     return user_error
 
 
@@ -234,7 +236,7 @@ def main(argv: list[str]) -> None:
             print(f"error (rank {PartialState().process_index}): {exc}", file=sys.stderr)
         raise SystemExit(2) from None  # a user error: no traceback from every rank
     if PartialState().is_main_process:
-        (directory.path / SUMMARY).write_text(json.dumps(counts) + "\n")
+        write_atomic(directory.path / SUMMARY, json.dumps(counts) + "\n")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import math
 import shutil
 import signal
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from tqdm import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from pipeline.config import ConfigError, Loss
+from pipeline.durable import fsync_tree, write_atomic
 from pipeline.models.drafter import save_drafter
 from pipeline.models.vocab import VocabMap
 from pipeline.training.data import IGNORE, Collator, label_coverage
@@ -67,8 +69,11 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
 def save_checkpoint(accelerator: Accelerator, out_dir: Path, position: dict) -> None:
     path = out_dir / CHECKPOINTS / f"step-{position['step']:08d}"
     accelerator.save_state(str(path))  # every rank takes part (DeepSpeed shards)
+    fsync_tree(path)  # every rank: its own files on disk before step.json declares the checkpoint whole
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (path / STEP_FILE).write_text(json.dumps(position) + "\n")
+        write_atomic(path / STEP_FILE, json.dumps(position) + "\n")
+        # only now, with the new checkpoint durable, the older ones go
         for older in (out_dir / CHECKPOINTS).glob("step-*"):
             if older != path:
                 shutil.rmtree(older)
@@ -198,8 +203,9 @@ def train(
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, fused=True)
     model, optimizer = accelerator.prepare(model, optimizer)
     # Not prepared: accelerate would step a scheduler once per process; it steps once per optimizer step here.
+    # Not checkpointed either: accelerate pickles registered objects and loads them with weights_only=False (a
+    # crafted checkpoint would run code on resume); the schedule is a function of the step, rebuilt from step.json.
     scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(tc.warmup_ratio * total_steps), total_steps)
-    accelerator.register_for_checkpointing(scheduler)
 
     step, tokens_before, last_loss = 0, 0, float("nan")
     # How the checkpoints are written: whether they can be resumed by another launch (check_resumable).
@@ -210,6 +216,10 @@ def train(
         check_resumable(checkpoint, position, writer)
         accelerator.load_state(str(checkpoint))
         step, tokens_before, last_loss = position["step"], position["tokens_seen"], position["loss"]
+        scheduler.last_epoch = step - 1
+        with warnings.catch_warnings():  # "step() before optimizer.step()": the optimizer stepped before the save
+            warnings.simplefilter("ignore", UserWarning)
+            scheduler.step()
         accelerator.print(f"resuming from {checkpoint} (step {step} of {total_steps})")
 
     def batches(start_step: int):
