@@ -59,14 +59,15 @@ LISTS = {"recipes": "recipe", "targets": "target", "drafters": "drafter", "langs
 def run_stage(stage: str, cfg: DictConfig) -> None:
     module = importlib.import_module(f"pipeline.stages.{stage}")
     directory = stage_dir(cfg, stage)
-    if not directory.begin(cfg, force=cfg.force):
-        print(f"{stage}: {directory.path} is complete for this config; skipping (force=true redoes it)")
-        return
-    started = time.time()
-    with stage_tracker(cfg, stage, directory.path) as tracker:
-        counts = module.run(cfg, directory, tracker)
-    counts["wall_time_s"] = round(time.time() - started, 1)
-    directory.finish(cfg, counts)
+    with directory.claim():
+        if not directory.begin(cfg, force=cfg.force):
+            print(f"{stage}: {directory.path} is complete for this config; skipping (force=true redoes it)")
+            return
+        started = time.time()
+        with stage_tracker(cfg, stage, directory.path) as tracker:
+            counts = module.run(cfg, directory, tracker)
+        counts["wall_time_s"] = round(time.time() - started, 1)
+        directory.finish(cfg, counts)
     print(f"{stage}: done in {counts['wall_time_s']:.0f}s -> {directory.path}")
 
 

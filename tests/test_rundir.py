@@ -174,3 +174,25 @@ def test_make_command_puts_the_run_and_more_overrides_in_one_args():
     cfg = compose_config(["recipe=ci", "lang=fr-en", "run=lr-low"])
     assert make_command(cfg, "eval", ("eval.engine=vllm",)) == "make eval LANG=fr-en RECIPE=ci ARGS='run=lr-low eval.engine=vllm'"
     assert make_command(compose_config([]), "pretrain") == "make pretrain"
+
+
+def test_a_second_run_of_a_stage_is_refused_before_anything_moves_and_force_included(ci_cfg):
+    """Two runs of one stage into one directory: the second (force=true too) is refused in one line naming the
+    holder, and the first run's partial directory is untouched; the lock goes with its holder."""
+    import os
+    import socket
+
+    first = stage_dir(ci_cfg, "distill", check_inputs=False)
+    with first.claim():
+        assert first.begin(ci_cfg)
+        (first.path / "records").mkdir()
+        second = stage_dir(ci_cfg, "distill", check_inputs=False)
+        with pytest.raises(StageConflictError) as refused:
+            with second.claim():
+                second.begin(ci_cfg, force=True)
+        message = str(refused.value)
+        assert "\n" not in message and f"host {socket.gethostname()}, pid {os.getpid()}" in message
+        assert (first.path / "records").is_dir() and not list(first.path.parent.glob("*.replaced-*"))
+        first.finish(ci_cfg, {})
+    with second.claim():  # released by the first holder
+        assert not second.begin(ci_cfg)  # complete: skipped

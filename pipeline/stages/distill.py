@@ -21,35 +21,38 @@ Resume is keyed by (id, temperature, sample): a rerun reads every shard, cuts a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
+import signal
+import sys
 import time
 from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from filelock import FileLock, Timeout
 from omegaconf import DictConfig
 from tqdm import tqdm
 
 from pipeline.data import back_translation
 from pipeline.data.sources import Example, load_sources
+from pipeline.durable import write_atomic
 from pipeline.jsonl import AppendOnlyJsonl, read_jsonl
 from pipeline.models.provision import CHECKSUMS, load_tokenizer, model_path
 from pipeline.prompts import build_prompt, prompt_ids, stop_strings, stop_token_ids
-from pipeline.rundir import StageConflictError, StageDir, make_command
+from pipeline.rundir import StageDir, make_command
 from pipeline.serving.client import TargetClient, failure_cause, is_transient
 from pipeline.serving.server import Endpoint, ServingError, VLLMServer, check_model_folder, target_server
 from pipeline.tracking import Tracker
+from pipeline.training.loop import EXIT_PREEMPTED
 
 RECORDS_DIR = "records"
 BACK_TRANSLATIONS_DIR = "back_translations"  # the reverse pair's records (data.back_translation)
 FAILURES_FILE = "failures.jsonl"
 STATS_FILE = "stats.json"
 SERVER_DIR = "server"
-LOCK_FILE = "distill.lock"
 LOG_EVERY = 20  # records between tracker updates
 
 Key = tuple[str, float, int]  # (example id, temperature, sample index)
@@ -173,16 +176,26 @@ def serve(cfg: DictConfig, folder: str, stage_path: Path):
 
 
 def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
-    path = directory.path
-    lock = FileLock(str(path / LOCK_FILE))
+    with stop_on_preemption(directory.path):  # the stage's lock is held by its caller (StageDir.claim)
+        return _run_locked(cfg, directory.path, tracker)
+
+
+@contextlib.contextmanager
+def stop_on_preemption(path: Path):
+    """SIGTERM/SIGUSR1 (Slurm's preemption and warning) end the stage with exit 75, as training and eval do: the
+    requests in flight are cancelled, the server is stopped, and every record already written stays (each is
+    durable when appended), so the same command asks only the rest."""
+    def stop(signum, frame):
+        print(f"distill: stopped by signal {signum}; the finished records are in {path / RECORDS_DIR}: run the "
+              "same command again to ask the rest", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_PREEMPTED)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise StageConflictError(f"another distill process is writing {path}; wait for it or stop it") from None
-    try:
-        return _run_locked(cfg, path, tracker)
+        yield
     finally:
-        lock.release()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _jobs(examples: list[Example], done: dict[Key, dict], cfg: DictConfig, lang: DictConfig, tokenizer,
@@ -249,7 +262,8 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
             with serve(cfg, folder, path) as server:
                 endpoint = server.endpoint if server else Endpoint(
                     url=cfg.distill.server.url,
-                    api_key=cfg.distill.server.api_key or os.environ.get("OPENAI_API_KEY", "EMPTY"))
+                    # from the environment only: a config is written to disk, wandb and the launch files
+                    api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"))
 
                 def run_jobs(jobs: list[Job], out: AppendOnlyJsonl, progress: tqdm, metric: str) -> RunStats:
                     client = TargetClient(endpoint, stop=stop_strings(cfg.target), stop_token_ids=stop_ids,
@@ -295,7 +309,7 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
             "segments": len(reverse_keys), "answered": len(reverse_done), "prompts_added": len(examples) - len(train),
             "rejected": dict(rejected), "completion_tokens": sum(r["completion_tokens"] for r in reverse_done.values()),
         }
-    (path / STATS_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    write_atomic(path / STATS_FILE, json.dumps(summary, indent=2) + "\n")
     tracker.summary({f"distill/{k}": v for k, v in summary.items() if k not in ("failures", "back_translation")} |
                     {f"back_translation/{k}": v for k, v in summary.get("back_translation", {}).items() if k != "rejected"})
     print(f"distill {cfg.lang.pair}: {len(done)}/{len(keys)} records ({stats.records} new, "
@@ -312,5 +326,13 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
         reason = stats.aborted or reverse_stats.aborted or f"{sum(transient.values())} requests failed ({', '.join(transient)})"
         raise DistillIncompleteError(f"{reason}; {missing} records missing "
                                      f"(see {path / FAILURES_FILE}); rerun `{make_command(cfg, 'distill')}` to resume")
+    expected = len(keys) + len(reverse_keys)
+    if missing > cfg.distill.max_failed_share * expected:
+        causes = ", ".join(f"{cause} ×{n}" for cause, n in failed.items())
+        raise DistillIncompleteError(
+            f"{missing} of {expected} records missing after requests the server rejected ({causes}), more than "
+            f"distill.max_failed_share={cfg.distill.max_failed_share:g}: see why in {path / FAILURES_FILE}, fix it and "
+            f"rerun `{make_command(cfg, 'distill')}` (it asks only the missing ones), or allow the gap with "
+            f"distill.max_failed_share")
     return {"records": len(done), "completion_tokens": summary["completion_tokens"],
             "failed_requests": len(keys) - len(done)}

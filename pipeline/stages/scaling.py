@@ -207,8 +207,14 @@ def table(result: dict) -> str:
 
 
 def run(cfg: DictConfig, overrides: list[str]) -> None:
-    """The study: finetunes, anchors, measures, scaling.json and scaling.png in the scaling directory."""
+    """The study, under the scaling directory's lock (its finetune and eval points take their own)."""
     directory = stage_dir(cfg, SCALING)
+    with directory.claim():
+        study(cfg, overrides, directory)
+
+
+def study(cfg: DictConfig, overrides: list[str], directory) -> None:
+    """Finetunes, anchors, measures, scaling.json and scaling.png in the scaling directory."""
     if not directory.begin(cfg, force=cfg.force):
         print(f"scaling: {directory.path} is complete for this config; skipping (force=true measures again)")
         print((directory.path / "scaling.txt").read_text())
