@@ -191,8 +191,7 @@ class DataConfig:
 
 @dataclass
 class ServerConfig:
-    url: Optional[str] = None  # an external OpenAI-compatible endpoint; None: start vLLM here
-    api_key: Optional[str] = None  # for an external endpoint; None: $OPENAI_API_KEY
+    url: Optional[str] = None  # an external OpenAI-compatible endpoint (its key from $OPENAI_API_KEY); None: start vLLM here
     startup_timeout_s: float = 600.0  # how long to wait for the local vLLM server
     # None: target.dtype (vLLM's auto would serve float32 and float16 configs in half precision)
     dtype: Optional[str] = None
@@ -215,6 +214,9 @@ class DistillConfig:
     concurrency: int = 32  # requests in flight
     request_timeout_s: float = 300.0  # one request's time limit
     max_retries: int = 5  # retries of a failed request (transient errors)
+    # share of the records a stage may lack after requests the server rejected (HTTP 400...) and still be
+    # COMPLETE; above it the stage fails and a rerun asks the missing ones again
+    max_failed_share: float = 0.01
     seed: int = 0  # sampling seed of the requests
     server: ServerConfig = field(default_factory=ServerConfig)
 
@@ -502,6 +504,8 @@ def validate(cfg: DictConfig) -> None:
         problems.append("target.source=init is only for drafters")
     if any(t < 0 for t in list(cfg.distill.temperatures) + list(cfg.eval.temperatures)):
         problems.append("temperatures must be >= 0")
+    if not 0 <= cfg.distill.max_failed_share < 1:
+        problems.append("distill.max_failed_share must be in [0, 1): the share of records a complete distill may lack")
     if cfg.eval.num_draft_tokens < 1:
         problems.append("eval.num_draft_tokens (K) must be >= 1")
     if not 0 <= cfg.data.heldout_fraction < 1:

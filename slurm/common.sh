@@ -65,7 +65,7 @@ run_training() {
     head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
     # The node's address as Slurm reaches it (NodeAddr: the node name itself unless the cluster says otherwise).
     MAIN_PROCESS_IP=$(scontrol show node "$head" | grep -oP 'NodeAddr=\K\S+')
-    MAIN_PROCESS_PORT=${MAIN_PROCESS_PORT:-29500}
+    MAIN_PROCESS_PORT=${MAIN_PROCESS_PORT:-$((20000 + SLURM_JOB_ID % 20000))}  # per job: two jobs on a node never share it
     export MAIN_PROCESS_IP MAIN_PROCESS_PORT
     run_requeueable srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \
         slurm/train-node.sh "$stage" "$@" "lang=$LANG_PAIR"

@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from pipeline.config import compose_config
 from pipeline.training.launch import accelerate_command, launch_env
 stage, config_file, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
+os.umask(0o077)  # the config file in a shared TMPDIR: readable by this user only
 cfg = compose_config(overrides)
 OmegaConf.save(cfg, config_file, resolve=True)
 command = accelerate_command(cfg, stage, config_file)

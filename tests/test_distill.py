@@ -244,9 +244,23 @@ def test_stage_death_takes_its_server_along(tmp_path, signum):
         wait_for_records(path, 0, process)
     group = wait_for_vllm_worker(path, process)
     process.send_signal(signum)
-    assert process.wait(timeout=60) == (128 + signum if signum == signal.SIGTERM else -signum)
+    # SIGTERM: exit 75 (EX_TEMPFAIL), as training and eval, so Slurm requeues it
+    assert process.wait(timeout=60) == (75 if signum == signal.SIGTERM else -signum)
     deadline = time.monotonic() + 30
     while live_members(group) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not live_members(group)
     assert not (path / "COMPLETE").exists()
+
+
+def test_a_distill_whose_requests_the_server_rejects_is_not_complete(vllm_server, tmp_path, monkeypatch, capsys):
+    """Requests that fail permanently (HTTP 400: answers longer than the server's context) are not retried by
+    the client; a distill missing more than distill.max_failed_share of its records must not be COMPLETE."""
+    monkeypatch.setenv("OPENAI_API_KEY", vllm_server.endpoint.api_key)
+    args = overrides(tmp_path, f"distill.server.url={vllm_server.endpoint.url}", "data.max_train_prompts=4",
+                     "distill.temperatures=[0.0]", "distill.max_tokens=100000")
+    assert main(["distill", *args]) == 2
+    assert not (stage_path(args) / "COMPLETE").exists()
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "4 of 4 records missing after requests the server rejected (http_400 ×4)" in error
+    assert "distill.max_failed_share=0.01" in error and "make distill" in error

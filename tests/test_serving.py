@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +125,59 @@ def test_a_stop_token_ends_the_answer_and_finetuning_trains_on_it(vllm_server, s
     assert served["input_ids"] == ids + free.token_ids[:2] and served["labels"][len(ids) - 1] == IGNORE
     without_ids = record_example({k: v for k, v in record.items() if not k.endswith("token_ids")}, tokenizer, 4096)
     assert without_ids["input_ids"][-1] == stop_id and without_ids["input_ids"][: len(ids)] == ids
+
+
+def test_the_key_is_in_no_command_line_and_the_server_requires_it(vllm_server):
+    """Every user of a node can read /proc/PID/cmdline: the key goes to vLLM through its environment only."""
+    import urllib.error
+    import urllib.request
+
+    key = vllm_server.endpoint.api_key.encode()
+    lines = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            lines.append(cmdline.read_bytes())
+        except OSError:  # the process ended meanwhile
+            continue
+    assert any(b"vllm.entrypoints.openai.api_server" in line for line in lines)
+    assert not [line for line in lines if key in line]
+    models = f"{vllm_server.endpoint.url}/models"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(models, timeout=10)
+    assert refused.value.code == 401
+    request = urllib.request.Request(models, headers={"Authorization": f"Bearer {vllm_server.endpoint.api_key}"})
+    assert urllib.request.urlopen(request, timeout=10).status == 200
+
+
+@pytest.mark.slow
+def test_a_squatter_on_the_port_is_never_taken_for_our_server_nor_sent_the_key(smollm_path, tmp_path):
+    """Another process answers every request on the preferred port, claiming our model: the server must not be
+    reported healthy there, must not send it the key, and must come up on another port."""
+    import http.server
+    import json as json_module
+    import threading
+
+    seen = []
+
+    class Squatter(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append((self.path, self.headers.get("Authorization")))
+            body = json_module.dumps({"data": [{"id": "smollm2-135m"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    squatter = http.server.HTTPServer(("127.0.0.1", 0), Squatter)
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    port = squatter.server_address[1]
+    try:
+        with VLLMServer(smollm_path, "smollm2-135m", tmp_path / "log", REPO_ROOT / "runs" / "cache" / "vllm",
+                        port=port, max_model_len=512) as server:
+            assert server.port != port
+    finally:
+        squatter.shutdown()
+    assert not [auth for _, auth in seen if auth and server.api_key in auth]

@@ -105,7 +105,10 @@ class VLLMServer:
         return None if self.process is None else self.process.poll()
 
     def __enter__(self) -> "VLLMServer":
-        self._previous_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+        # SIGTERM must unwind through __exit__ (which stops the server); a Python handler already installed (the
+        # distill stage's exit 75, the eval's preemption flag) stays in charge, else SIGTERM raises SystemExit.
+        previous = signal.getsignal(signal.SIGTERM)
+        self._previous_sigterm = signal.signal(signal.SIGTERM, previous if callable(previous) else _raise_on_sigterm)
         try:
             self.start()
         except BaseException:
@@ -136,7 +139,7 @@ class VLLMServer:
             sys.executable, "-m", "pipeline.serving.reaper", str(os.getpid()),
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model, "--served-model-name", self.served_name,
-            "--host", "127.0.0.1", "--port", str(port), "--api-key", self.api_key,
+            "--host", "127.0.0.1", "--port", str(port),
             "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
             # requests alone decide the sampling: no defaults from the model's generation_config.json
             "--generation-config", "vllm",
@@ -154,6 +157,8 @@ class VLLMServer:
             VLLM_CPU_NUM_OF_RESERVED_CPU="0",  # else vLLM keeps one core for itself: one compute thread on 2 cores
             VLLM_CACHE_ROOT=str(self.cache_dir),
             VLLM_NO_USAGE_STATS="1",
+            # the key through the environment, not argv: /proc/PID/cmdline (ps) is readable by every user of the node
+            VLLM_API_KEY=self.api_key,
             HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1" if Path(self.model).exists() else "0"),
         )
         with self.log_path.open("a") as log:
@@ -169,9 +174,11 @@ class VLLMServer:
         os.replace(tmp, self.log_dir / INFO_FILE)  # whole or absent for whoever reads it
 
     def _wait_healthy(self) -> bool:
-        """True once GET /health answers; False when vLLM could not bind its port; raises on other deaths."""
+        """True once our own vLLM listens on the port and serves our model to our key; False when vLLM could not
+        bind its port; raises on other deaths. Another process answering on the port (a squatter on a fixed
+        distill.server.port) is never sent the key nor taken for our server."""
         deadline = time.monotonic() + self.startup_timeout_s
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/health",
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/models",
                                          headers={"Authorization": f"Bearer {self.api_key}"})
         while time.monotonic() < deadline:
             code = self.exit_code()
@@ -183,10 +190,12 @@ class VLLMServer:
                 raise ServingError(f"vLLM exited with code {code} during start-up: {errors[-1].strip()} "
                                    f"(full log: {self.log_path})")
             try:
-                with urllib.request.urlopen(request, timeout=5) as response:
-                    if response.status == 200:
-                        return True
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                if self.process.pid in listening_groups(self.port):
+                    with urllib.request.urlopen(request, timeout=5) as response:
+                        served = [m["id"] for m in json.loads(response.read())["data"]]
+                        if response.status == 200 and self.served_name in served:
+                            return True
+            except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError, KeyError):
                 pass
             time.sleep(1.0)
         self.stop()
@@ -216,6 +225,28 @@ class VLLMServer:
             if not _group_alive(group):
                 break
         self.process = None
+
+
+def listening_groups(port: int) -> set[int]:
+    """The process groups of the processes listening on TCP ``port`` that this user may inspect (Linux /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+    groups = set()
+    for fd in Path("/proc").glob("[0-9]*/fd/*") if inodes else ():
+        try:
+            if os.readlink(fd) in inodes:
+                groups.add(os.getpgid(int(fd.parts[2])))
+        except OSError:  # another user's process, or one that ended meanwhile
+            continue
+    return groups
 
 
 def _group_alive(group: int) -> bool:
