@@ -315,8 +315,8 @@ class EvalConfig:
     # K+1 tokens is fastest and whose one-token step is no slower (pipeline/speculative/costs.py); half
     # precision is tie-gated. []: target.dtype only
     dtype_candidates: list[str] = field(default_factory=lambda: ["bfloat16"])
-    # K per method and temperature from the warm-up's acceptance and the measured c and v(K): the K of
-    # {num_draft_tokens, k_sweep} the formula predicts fastest (false: num_draft_tokens for every method)
+    # K per method and temperature from the warm-up's τ and the measured c and v(K): the K of
+    # {num_draft_tokens, k_sweep} predicted fastest, τ(K) / (K·c + v(K)) (false: num_draft_tokens for every method)
     choose_k: bool = True
 
 

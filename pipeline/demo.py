@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
             if not (eval_dir / "COMPLETE").exists():
                 raise ConfigError(f"{eval_dir} is not complete; run `make all LANG={pair}` first")
             metrics = json.loads((eval_dir / "metrics.json").read_text())
-            summary[pair] = report.summary_of(metrics) | {"machine": machine_of(metrics)}
+            summary[pair] = {"temperatures": report.summary_of(metrics), "machine": machine_of(metrics)}
             header = ["method", *[f"{p} {t}" for p, t in report.columns(metrics)]]
             sections += [report.table(report.speedup_table(metrics), header), "",
                          f"report: {eval_dir / 'report.md'}",
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(sections))
     for pair in args.pairs:
         line = ", ".join(f"{t}: speedup {m['speedup']:.2f}x, tau {m['tau']:.2f}, alpha {m['alpha']:.2f}"
-                         for t, m in summary[pair].items())
+                         for t, m in summary[pair]["temperatures"].items())
         print(f"{pair} speculative (ours) — {line}")
         m = summary[pair]["machine"]
         print(f"{pair} on {m['cpu']}: target in {m['target_dtype']}, c = {m['c']:.3f}, "

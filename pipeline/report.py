@@ -73,8 +73,9 @@ def stage_report(metrics: dict) -> str:
         + (f" (reduced vocabulary: {metrics['reduced_vocab']} ids)" if metrics.get("reduced_vocab") else ""),
         k_line(metrics)
         + (f" (a draft stops below drafter confidence {metrics['draft_confidence']:g})"
-           if metrics.get("draft_confidence") else "")
-        + f", max_new_tokens = {metrics['max_new_tokens']}, median of {metrics['repetitions']} "
+           if metrics.get("draft_confidence") else "") + ".",
+        "",
+        f"max_new_tokens = {metrics['max_new_tokens']}, median of {metrics['repetitions']} "
         f"repetitions, mean ± std over seeds; {machine(metrics['environment'])}, torch {metrics['environment']['torch']}, "
         f"transformers {metrics['environment']['transformers']}",
         "",
@@ -138,7 +139,7 @@ def k_line(metrics: dict) -> str:
     choice = metrics.get("k_choice")
     if not choice:
         return f"K = {metrics['K']}"
-    return "K chosen from the measured costs and the warm-up's acceptance: " + "; ".join(
+    return "K chosen from the measured costs and the warm-up's τ: " + "; ".join(
         f"{t_key}: " + ", ".join(f"{METHOD_NAMES[m]} {c['k']}" for m, c in by_method.items())
         for t_key, by_method in choice.items())
 

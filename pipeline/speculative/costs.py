@@ -8,9 +8,8 @@
   skinny-matrix BLAS path twice as slow as the one-token one (v(4) = 2.07 on a 2-core Xeon), while native bf16
   stays near the one-token cost. Half precision changes the target's greedy output only at numerical ties,
   which the greedy gate tolerates (pipeline/evaluation.py).
-- **K per method and temperature** (``eval.choose_k``). From the acceptance α of the warm-up decodes and the
-  measured c and v(K), the K among the measured ones whose predicted speedup (engine.predicted_speedup) is
-  highest. When no K is predicted above 1, the method still runs at that K (so the table shows what it
+- **K per method and temperature** (``eval.choose_k``). From the τ of the warm-up decodes and the measured c
+  and v(K), the K among the measured ones whose predicted speedup τ(K) / (K·c + v(K)) is highest. When no K is predicted above 1, the method still runs at that K (so the table shows what it
   measures), its recommended K is 0 (the target alone) and one line says what the drafter would need.
 """
 
@@ -20,7 +19,8 @@ import statistics
 
 import torch
 
-from pipeline.speculative.engine import CachedModel, predicted_speedup, timed_forward
+from pipeline.speculative.engine import CachedModel, expected_tokens, timed_forward
+from pipeline.speculative.metrics import alpha_from_tau
 
 # The one-token step of a half-precision candidate may be this much slower than float32's (timing noise).
 STEP_SLACK = 1.05
@@ -72,11 +72,21 @@ def pick_dtype(timings: dict, recipe_dtype: str) -> str:
     return min(eligible, key=lambda dtype: timings[dtype]["verify_s"])
 
 
-def choose_k(alpha: float, c: float, v: dict[int, float]) -> dict:
-    """The K of ``v`` with the highest predicted speedup; recommended K 0 when none is predicted above 1."""
-    predicted = {k: predicted_speedup(alpha, k, c, v[k]) for k in sorted(v)}
+def choose_k(taus: dict[int, float], c: float, v: dict[int, float]) -> dict:
+    """The K of ``v`` with the highest predicted speedup τ(K) / (K·c + v(K)). τ(K) is the warm-up's where it ran
+    that K, else the i.i.d. formula's with the acceptance rate that reproduces the τ of the nearest K it ran
+    (metrics.alpha_from_tau: accepted ÷ drafted understates it when acceptances cluster). Recommended K 0 when
+    no K is predicted above 1."""
+    def tau(k: int) -> float:
+        if k in taus:
+            return taus[k]
+        nearest = min(taus, key=lambda measured: abs(measured - k))
+        return expected_tokens(alpha_from_tau(taus[nearest], nearest), k)
+
+    expected = {k: tau(k) for k in sorted(v)}
+    predicted = {k: expected[k] / (k * c + v[k]) for k in expected}
     best = max(predicted, key=predicted.get)
-    return {"k": best, "recommended_k": best if predicted[best] > 1 else 0, "alpha": alpha,
+    return {"k": best, "recommended_k": best if predicted[best] > 1 else 0, "tau": expected,
             "predicted_speedup": predicted}
 
 
@@ -85,4 +95,4 @@ def no_k_pays(method: str, k: int, c: float, v: float, tau: float, machine: str)
     cost = k * c + v
     return (f"{method}: no K pays on this {machine}: a round of {k} drafts costs {cost:.2f} target steps "
             f"({k} × c {c:.3f} + v({k}) {v:.2f}); the drafter would need τ ≥ {cost:.2f} to break even; "
-            f"τ in the warm-up decodes {tau:.2f}")
+            f"τ at K={k} in the warm-up: {tau:.2f}")

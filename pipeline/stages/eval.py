@@ -216,7 +216,7 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
             print(f"eval: c = {costs['c']:.3f}, " + ", ".join(f"v({k}) = {v:.2f}" for k, v in costs["v"].items())
                   + f"; target in {target_dtype}", flush=True)
             for t_key, by_method in decoders.k_choice.items():
-                print(f"eval: K at {t_key}: " + ", ".join(f"{m} {c['k']} (α {c['alpha']:.2f})"
+                print(f"eval: K at {t_key}: " + ", ".join(f"{m} {c['k']} (τ {c['tau'][c['k']]:.2f})"
                                                           for m, c in by_method.items()), flush=True)
                 for choice in by_method.values():
                     if "no_k_pays" in choice:
@@ -324,20 +324,22 @@ def choose_target_dtype(cfg: DictConfig, target_path: str, device: torch.device,
 
 
 def choose_ks(cfg: DictConfig, pilot: dict, costs: dict, device: torch.device) -> dict:
-    """K per temperature and drafting method from the warm-up decodes' acceptance (every K of the sweep pooled)
-    and the measured costs; a method no K pays for gets the one line that says what it would need."""
+    """K per temperature and drafting method from the τ of the warm-up decodes at each K they ran (the K sweep's
+    too) and the measured costs; a method no K pays for gets the one line that says what it would need."""
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({cpu_model()})"
     choice = {}
     for t in cfg.eval.temperatures:
         for method in ("speculative", "pld", "hybrid"):
-            runs = [g for (pt, name), g in pilot.items() if pt == t and name.split("_k")[0] == method]
-            stats = method_stats(runs) if runs else {}
-            if "alpha" not in stats:
+            taus = {int(name.removeprefix(f"{method}_k")) if name != method else cfg.eval.num_draft_tokens:
+                    method_stats([generation])["tau"]
+                    for (pt, name), generation in pilot.items() if pt == t and name.split("_k")[0] == method}
+            if not taus:
                 continue
             c = costs["c"] if method in MODEL_DRAFTED else 0.0
-            picked = choose_k(stats["alpha"], c, costs["v"]) | {"tau": stats["tau"]}
+            picked = choose_k(taus, c, costs["v"])
             if picked["recommended_k"] == 0:
-                picked["no_k_pays"] = no_k_pays(method, picked["k"], c, costs["v"][picked["k"]], stats["tau"], machine)
+                k = picked["k"]
+                picked["no_k_pays"] = no_k_pays(method, k, c, costs["v"][k], picked["tau"][k], machine)
             choice.setdefault(f"T={t}", {})[method] = picked
     return choice
 
