@@ -9,8 +9,9 @@
   stays near the one-token cost. Half precision changes the target's greedy output only at numerical ties,
   which the greedy gate tolerates (pipeline/evaluation.py).
 - **K per method and temperature** (``eval.choose_k``). From the τ of the warm-up decodes and the measured c
-  and v(K), the K among the measured ones whose predicted speedup τ(K) / (K·c + v(K)) is highest. When no K is predicted above 1, the method still runs at that K (so the table shows what it
-  measures), its recommended K is 0 (the target alone) and one line says what the drafter would need.
+  and v(K), the K among the measured ones whose predicted speedup τ(K) / (K·c + v(K)) is highest. When no K is
+  predicted above 1, the method still runs at that K (so the table shows what it measures), its recommended K
+  is 0 (the target alone) and one line says what the drafter would need.
 """
 
 from __future__ import annotations

@@ -171,11 +171,12 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
     progress = json.loads((path / PROGRESS).read_text()) if (path / PROGRESS).exists() else {"sessions": []}
     session = len(progress["sessions"])
     first_ids = token_ids[prompts[cfg.lang.pair][0][1]]
-    if "target_dtype" not in progress:  # rows of an earlier session were decoded in the recipe's dtype
-        progress["target_dtype"] = ({"chosen": canonical_dtype(cfg.target.dtype)} if progress["sessions"]
-                                    else choose_target_dtype(cfg, target_path, device, first_ids))
+    if "target_dtype" in progress or progress["sessions"]:  # an earlier session's rows: its dtype, or the recipe's
+        progress.setdefault("target_dtype", {"chosen": canonical_dtype(cfg.target.dtype)})
+        target_model = load_model(target_path, progress["target_dtype"]["chosen"], device)
+    else:
+        progress["target_dtype"], target_model = choose_target_dtype(cfg, target_path, device, first_ids)
     target_dtype = progress["target_dtype"]["chosen"]
-    target_model = load_model(target_path, target_dtype, device)
     decoders = Decoders(cfg, target_model, drafter_model.eval(), vocab_map, tokenizer, router_drafters, device)
     decoders.k_choice = progress.get("k_choice", {})
 
@@ -197,7 +198,7 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
 
     with preemption_signals() as received:
         if todo:
-            pilot = {}  # the warm-up's decodes: the acceptance that chooses K
+            pilot = {}  # the warm-up's decodes: their τ chooses K
             for t in ev.temperatures:
                 for _ in range(ev.warmup):
                     for name, method, k in decoders.variants(first_pass=True, pair=cfg.lang.pair, t=t):
@@ -306,21 +307,22 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
             "greedy_ties": len(gate.ties), "sessions": len(progress["sessions"])}
 
 
-def choose_target_dtype(cfg: DictConfig, target_path: str, device: torch.device, prompt_ids: torch.Tensor) -> dict:
-    """The dtype every method decodes the target in: the candidate (pipeline/speculative/costs.py) whose verify of
-    K+1 tokens is fastest on this machine, timed here; the recipe's dtype where there is no other candidate."""
+def choose_target_dtype(cfg: DictConfig, target_path: str, device: torch.device, prompt_ids: torch.Tensor):
+    """The dtype every method decodes the target in, and the target loaded in it: the candidate
+    (pipeline/speculative/costs.py) whose verify of K+1 tokens is fastest on this machine, timed here; the
+    recipe's dtype where there is no other candidate."""
     ev = cfg.eval
     candidates = dtype_candidates(cfg.target.dtype, list(ev.dtype_candidates), half_precision_dtypes(device))
+    models = {dtype: load_model(target_path, dtype, device) for dtype in candidates}
     if len(candidates) == 1:
-        return {"chosen": candidates[0]}
-    timings = time_steps({dtype: load_model(target_path, dtype, device) for dtype in candidates}, prompt_ids,
-                         ev.num_draft_tokens)
+        return {"chosen": candidates[0]}, models[candidates[0]]
+    timings = time_steps(models, prompt_ids, ev.num_draft_tokens)
     chosen = pick_dtype(timings, cfg.target.dtype)
     print(f"eval: target in {chosen} (recipe: {cfg.target.dtype}), measured here: "
           + "; ".join(f"{dtype} step {t['step_s'] * 1e3:.1f} ms, verify of {ev.num_draft_tokens + 1} tokens "
                       f"{t['verify_s'] * 1e3:.1f} ms" for dtype, t in timings.items()), flush=True)
-    return {"chosen": chosen, "recipe": canonical_dtype(cfg.target.dtype), "verify_tokens": ev.num_draft_tokens + 1,
-            "timings": timings}
+    return ({"chosen": chosen, "recipe": canonical_dtype(cfg.target.dtype), "verify_tokens": ev.num_draft_tokens + 1,
+             "timings": timings}, models[chosen])
 
 
 def choose_ks(cfg: DictConfig, pilot: dict, costs: dict, device: torch.device) -> dict:
