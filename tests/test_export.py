@@ -24,6 +24,7 @@ from pipeline.config import REPO_ROOT, compose_config
 from pipeline.models.drafter import load_drafter, save_drafter
 from pipeline.models.export import (
     VLLM_DIR,
+    draft_tensor_parallel_sizes,
     export_drafter,
     exported_vocab,
     reduced_tokenizer,
@@ -184,8 +185,26 @@ def test_export_stage_writes_a_servable_folder_whose_readme_snippet_runs(smollm_
     call = next(n for n in ast.walk(vllm_snippet) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "LLM")
     spec = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "speculative_config"))
     assert spec == manifest["counts"]["vllm"]["speculative_config"]
+    sizes = manifest["counts"]["vllm"]["tensor_parallel_sizes"]
+    assert sizes == draft_tensor_parallel_sizes(out / "drafter" / VLLM_DIR) and 1 in sizes
+    assert f"--tensor-parallel-size {max(sizes)}" in readme and f'"draft_tensor_parallel_size": {max(sizes)}' in readme
     shutil.rmtree(out / "drafter")  # a rerun of a complete export is skipped
     assert cli.main(["export", *base]) == 0 and not (out / "drafter").exists()
+
+
+def test_draft_tensor_parallel_sizes_are_those_the_drafters_heads_and_width_divide_by(tmp_path):
+    """vLLM splits the drafter the target's TP ways: the paper's 12-head drafter cannot go 8 ways; 2 KV heads
+    replicate over 4 or 8."""
+    from transformers import LlamaConfig
+
+    shapes = {"vicuna-68m": (12, 12, 3072), "gemma-250m": (16, 2, 4096), "odd-width": (8, 8, 1002)}
+    for name, (heads, kv_heads, width) in shapes.items():
+        LlamaConfig(hidden_size=64 * heads, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                    intermediate_size=width).save_pretrained(tmp_path / name)
+    assert draft_tensor_parallel_sizes(tmp_path / "vicuna-68m") == [1, 2, 4]
+    assert draft_tensor_parallel_sizes(tmp_path / "gemma-250m") == [1, 2, 4, 8]
+    assert draft_tensor_parallel_sizes(tmp_path / "odd-width") == [1, 2]
+    assert draft_tensor_parallel_sizes(tmp_path / "gemma-250m", (1, 16)) == [1, 16]
 
 
 def test_make_export_runs_the_export_command_for_the_pair():

@@ -1,12 +1,44 @@
-"""Benchmarks (not tests): ``python -m pipeline.bench [NAME ...]`` runs ``pipeline/bench/NAME.py``.
+"""Benchmarks (not tests): ``python -m pipeline.bench [NAME ...] [--recipe R] [--dtype D]`` runs
+``pipeline/bench/NAME.py``.
 
-Each benchmark module exposes ``main(out_dir: Path) -> dict`` and writes ``out_dir/NAME.json``;
-``make bench`` runs them all (``make bench BENCH=engine`` one).
+Each benchmark module exposes ``main(out_dir: Path, settings: BenchSettings) -> dict`` and writes
+``out_dir/NAME.json``; ``make bench`` runs them all (``make bench BENCH=engine RECIPE=paper-vicuna
+BENCH_DTYPE=bfloat16`` one, for that recipe's target and drafter in that dtype).
 """
 
+from __future__ import annotations
+
 import pkgutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from pipeline.config import compose_config
+
+DEFAULT_RECIPE = "local"
 
 
 def names() -> list[str]:
     """The benchmarks: the modules of this package."""
     return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What a benchmark measures: a recipe's target, drafter and training batch, in a dtype."""
+
+    recipe: str = DEFAULT_RECIPE
+    dtype: str | None = None  # the target's weights and the training precision; None: the recipe's own
+
+    def overrides(self) -> list[str]:
+        return [f"recipe={self.recipe}", *([f"target.dtype={self.dtype}"] if self.dtype else [])]
+
+    def config(self, *overrides: str) -> DictConfig:
+        return compose_config([*self.overrides(), *overrides])
+
+    def out_dir(self, root: Path) -> Path:
+        """``root`` for the local recipe in its own dtype (the results docs/ cites), else ``root/<recipe>[-<dtype>]``."""
+        if self.recipe == DEFAULT_RECIPE and self.dtype is None:
+            return root
+        return root / "-".join(filter(None, [self.recipe, self.dtype]))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import compose_config
+from pipeline.bench import BenchSettings
 from pipeline.device import resolve_device
 from pipeline.evaluation import heldout_prompts, stop_condition
 from pipeline.models.drafter import load_drafter
@@ -40,8 +40,8 @@ def per_token(model, vocab, sequences: list[tuple[torch.Tensor, int]], target_pr
     return torch.cat(matches), torch.cat(overlaps)
 
 
-def main(out_dir: Path) -> dict:
-    cfg = compose_config(["recipe=local", f"lang={PAIR}", "eval.num_prompts=1000"])  # every held-out prompt
+def main(out_dir: Path, settings: BenchSettings) -> dict:
+    cfg = settings.config(f"lang={PAIR}", "eval.num_prompts=1000")  # every held-out prompt
     target_path = model_path(cfg.target, cfg.paths.models_dir)
     device = resolve_device(cfg.eval.device)
     tokenizer, target = load_tokenizer(target_path), load_model(target_path, device=device)

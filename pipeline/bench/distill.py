@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import compose_config
+from pipeline.bench import BenchSettings
 from pipeline.data.sources import load_sources
 from pipeline.device import clock, resolve_device
 from pipeline.models.provision import load_model, load_tokenizer, model_path
@@ -71,11 +71,11 @@ def transformers_generate(cfg, prompts: list[str]) -> dict:
             "dtype": cfg.target.dtype, "batch_size": HF_BATCH_SIZE}
 
 
-def main(out_dir: Path) -> dict:
-    overrides = ["recipe=local", "lang=de-en", "logger=none", f"paths.runs_dir={out_dir / 'distill-runs'}",
+def main(out_dir: Path, settings: BenchSettings) -> dict:
+    overrides = ["lang=de-en", "logger=none", f"paths.runs_dir={out_dir / 'distill-runs'}",
                  f"data.max_train_prompts={NUM_PROMPTS}", "distill.temperatures=[0.0]",
                  f"distill.max_tokens={MAX_TOKENS}"]
-    cfg = compose_config(overrides)
+    cfg = settings.config(*overrides)
     tokenizer = load_tokenizer(model_path(cfg.target, cfg.paths.models_dir))
     prompts = [build_prompt(cfg.target, cfg.lang, ex.src, tokenizer) for ex in load_sources(cfg)[0]]
     vllm = vllm_stage(cfg)

@@ -1,7 +1,7 @@
 """Benchmark: our speculative engine vs transformers' assisted generation vs the target alone.
 
-Target: the local recipe's gemma-3-270m (fp32, CPU). No trained drafter is needed: the drafters are cut
-from the target itself, so acceptance is real and nontrivial.
+Target: the recipe's (``--recipe``, default local: gemma-3-270m, fp32 on the CPU; ``--dtype`` another). No
+trained drafter is needed: the drafters are cut from the target itself, so acceptance is real and nontrivial.
 
 - ``speculative`` / ``hf_assisted`` (the headline, same models and K): a full-vocabulary layer-skip
   drafter, the target without two middle layers (self-speculative, Zhang et al. 2023). Its cost is
@@ -10,7 +10,7 @@ from the target itself, so acceptance is real and nontrivial.
 - ``speculative_reduced_head``: the whole target with its head cut to the 16k most frequent ShareGPT
   tokens (a reduced-vocabulary drafter, FR-Spec-style): cheap (c well below 1) and mostly right, so it
   shows what a reduced head buys on this CPU.
-- ``speculative_finetuned``: the local recipe's finetuned drafter, when one exists, and
+- ``speculative_finetuned``: the recipe's finetuned drafter, when one exists, and
   ``speculative_finetuned_full_vocab`` / ``hf_assisted_finetuned_full_vocab``: the same drafter as a
   full-vocabulary model, run by both engines — a cheap drafter, where per-step overheads matter.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from pipeline.config import compose_config
+from pipeline.bench import BenchSettings
 from pipeline.device import resolve_device
 from pipeline.evaluation import environment, stop_condition
 from pipeline.data.sharegpt import iter_texts
@@ -56,20 +56,26 @@ NUM_PROMPTS = 4
 MAX_NEW_TOKENS = 48
 REPETITIONS = 3
 SEED = 0
-SKIPPED_LAYERS = (8, 9)  # of gemma-3-270m's 18: the cheapest cut that keeps acceptance near 0.5
 REDUCED_VOCAB = 16384
 HEADLINE_T1 = "speculative_reduced_head"
+
+
+def skipped_layers(num_layers: int) -> tuple[int, int]:
+    """The two middle layers (8 and 9 of gemma-3-270m's 18: the cheapest cut that keeps acceptance near 0.5)."""
+    return num_layers // 2 - 1, num_layers // 2
 
 
 def layer_skip_drafter(target, keep: tuple[int, ...], vocab_map: VocabMap | None = None):
     """A drafter made of some of the target's layers (and, given a map, only the mapped rows of its head)."""
     text = target.config.to_dict()
-    text.update(num_hidden_layers=len(keep), layer_types=[target.config.layer_types[i] for i in keep])
+    text["num_hidden_layers"] = len(keep)
+    if getattr(target.config, "layer_types", None):  # gemma-3: sliding and full attention layers
+        text["layer_types"] = [target.config.layer_types[i] for i in keep]
     rows = None
     if vocab_map is not None:
         rows = torch.cat([vocab_map.target_ids, vocab_map.target_ids[:1]])  # the unk row is never proposed
         text["vocab_size"] = vocab_map.drafter_vocab_size
-    drafter = AutoModelForCausalLM.from_config(AutoConfig.for_model(**text), dtype=torch.float32).eval()
+    drafter = AutoModelForCausalLM.from_config(AutoConfig.for_model(**text), dtype=target.dtype).eval()
     state = {}
     for name, tensor in target.state_dict().items():
         if name.startswith("model.layers."):
@@ -91,7 +97,7 @@ def full_vocabulary_copy(drafter, vocab_map: VocabMap):
     drafter's and the others zero (logit 0, below a confident drafter's top mapped logit)."""
     text = drafter.config.to_dict()
     text.update(vocab_size=vocab_map.target_vocab_size, tie_word_embeddings=False)
-    full = AutoModelForCausalLM.from_config(AutoConfig.for_model(**text), dtype=torch.float32).eval()
+    full = AutoModelForCausalLM.from_config(AutoConfig.for_model(**text), dtype=drafter.dtype).eval()
     state = dict(drafter.state_dict())
     state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"][vocab_map.to_drafter]
     head = state["lm_head.weight"].new_zeros(vocab_map.target_vocab_size, text["hidden_size"])
@@ -132,13 +138,13 @@ def run_methods(methods: dict, prompts: list[torch.Tensor]) -> dict:
     return outputs
 
 
-def main(out_dir: Path) -> dict:
+def main(out_dir: Path, settings: BenchSettings) -> dict:
     torch.manual_seed(0)
-    cfg = compose_config(["recipe=local"])
+    cfg = settings.config()
     device = resolve_device(cfg.eval.device)
     target_path = model_path(cfg.target, cfg.paths.models_dir)
     tokenizer = load_tokenizer(target_path)
-    target_model = load_model(target_path, device=device)
+    target_model = load_model(target_path, cfg.target.dtype, device)
     target = CachedModel(target_model)
     stop = stop_condition(cfg.target, tokenizer, target_model)
     train, heldout = load_sources(cfg)
@@ -151,7 +157,8 @@ def main(out_dir: Path) -> dict:
     train_prompts = [build_prompt(cfg.target, cfg.lang, ex.src, tokenizer) for ex in train]
     counts = token_counts(tokenizer, target_model.config.vocab_size, train_prompts)
     vocab_map = VocabMap.most_frequent(counts, REDUCED_VOCAB, always=tokenizer.all_special_ids).to(device)
-    keep = tuple(i for i in range(target_model.config.num_hidden_layers) if i not in SKIPPED_LAYERS)
+    skipped = skipped_layers(target_model.config.num_hidden_layers)
+    keep = tuple(i for i in range(target_model.config.num_hidden_layers) if i not in skipped)
     layer_skip = layer_skip_drafter(target_model, keep)
     drafters = {"speculative": (layer_skip, None),
                 "speculative_reduced_head": (layer_skip_drafter(target_model, tuple(range(target_model.config.num_hidden_layers)), vocab_map),
@@ -214,7 +221,7 @@ def main(out_dir: Path) -> dict:
                                       for name in drafters if hf_name(name) in stats},
         "what": {
             "target": target_path,
-            "drafters": {"speculative": f"layer-skip: the target without layers {list(SKIPPED_LAYERS)}, full vocabulary",
+            "drafters": {"speculative": f"layer-skip: the target without layers {list(skipped)}, full vocabulary",
                          "speculative_reduced_head": f"the whole target with a {REDUCED_VOCAB}-token head (the most "
                                                      "frequent ids of 3000 ShareGPT documents and the de-en training prompts)",
                          "speculative_finetuned": str(finetuned_folder) if finetuned_folder.is_dir() else "none yet",
@@ -224,7 +231,8 @@ def main(out_dir: Path) -> dict:
                         "(vs_hf_assisted_by_drafter: every full-vocabulary drafter against HF)",
             "t1": f"{HEADLINE_T1} at T=1 (a cheap reduced-vocabulary drafter, where the sampling's own cost shows): "
                   "speedup in tokens/s over target_t1, predicted tau / (K c + v) with the tau measured at T=1",
-            "prompts": f"{len(prompts)} held-out de-en prompts of the local recipe (completion format, stop at newline)",
+            "prompts": f"{len(prompts)} held-out de-en prompts of the {settings.recipe} recipe",
+            "target_dtype": cfg.target.dtype,
             "max_new_tokens": MAX_NEW_TOKENS,
             "sampling": {"methods": "T=0", "methods *_t1": f"T=1, top_k={sampled.top_k}, top_p={sampled.top_p}, "
                                                             f"seed {SEED} per prompt"},

@@ -35,8 +35,9 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from pipeline.bench import BenchSettings
 from pipeline.cli import main as cli
-from pipeline.config import Divergence, compose_config
+from pipeline.config import Divergence
 from pipeline.evaluation import greedy_heldout_examples, stop_condition
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
@@ -58,16 +59,16 @@ class BudgetSpent(Exception):
     """The arm has trained for its CPU budget (raised from the loop's evaluate hook)."""
 
 
-def finetuned_config():
+def finetuned_config(settings: BenchSettings):
     """The recipe's de-en config with a finished finetune stage, making one at reduced size if there is none."""
-    cfg = compose_config(["recipe=local", f"lang={PAIR}"])
+    cfg = settings.config(f"lang={PAIR}")
     if stage_dir(cfg, "finetune", check_inputs=False).is_complete():
-        return cfg, "the local recipe's finetune stage"
-    overrides = ["recipe=local", f"lang={PAIR}", *REDUCED]
+        return cfg, f"the {settings.recipe} recipe's finetune stage"
+    overrides = [*settings.overrides(), f"lang={PAIR}", *REDUCED]
     for stage in ("distill", "pretrain", "finetune"):
         if cli([stage, *overrides]) != 0:
             raise RuntimeError(f"`python -m pipeline {stage} {' '.join(overrides)}` failed")
-    return compose_config(overrides), f"made by this bench at reduced size: {' '.join(REDUCED)}"
+    return settings.config(f"lang={PAIR}", *REDUCED), f"made by this bench at reduced size: {' '.join(REDUCED)}"
 
 
 def run_arm(name, tc, sft_model, examples, collate, objective, held_out, budget_s: float, seed: int) -> tuple:
@@ -151,9 +152,9 @@ def plot(arms: dict, path: Path) -> bool:
     return True
 
 
-def main(out_dir: Path) -> dict:
+def main(out_dir: Path, settings: BenchSettings) -> dict:
     budget_s = 60 * float(os.environ.get("ON_POLICY_CPU_MINUTES", "20"))
-    cfg, drafter_source = finetuned_config()
+    cfg, drafter_source = finetuned_config(settings)
     tc = cfg.train.finetune
     directory = stage_dir(cfg, "finetune")
     target_path = model_path(cfg.target, cfg.paths.models_dir)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import compose_config
+from pipeline.bench import BenchSettings
 from pipeline.data.sources import load_sources
 from pipeline.device import resolve_device
 from pipeline.evaluation import environment, first_divergence, stop_condition
@@ -114,9 +114,9 @@ def divergence(model, ids: torch.Tensor, reference: list[int], spec: list[int], 
 
 
 @torch.inference_mode()
-def main(out_dir: Path) -> dict:
+def main(out_dir: Path, settings: BenchSettings) -> dict:
     started = time.monotonic()
-    cfg = compose_config(["recipe=local", f"lang={PAIR}"])
+    cfg = settings.config(f"lang={PAIR}")
     device = resolve_device(cfg.eval.device)
     path = model_path(cfg.target, cfg.paths.models_dir)
     tokenizer = load_tokenizer(path)

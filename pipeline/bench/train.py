@@ -1,9 +1,10 @@
 """Training throughput: the pipeline's loop (pipeline.training.loop) vs ``transformers.Trainer``.
 
-Both train the ``local`` recipe's drafter (tiny-7m shape, 16k reduced vocabulary) from the same
-initial weights on the same packed ShareGPT blocks (gemma-3-270m tokens, mapped to the drafter's
-vocabulary by the same collator), with the recipe's batch (16 x 256), precision (bf16 autocast), AdamW
-and cosine schedule, one process on this CPU.
+Both train the recipe's drafter (``--recipe``, default local: tiny-7m shape, 16k reduced vocabulary) from
+the same initial weights on the same packed pretraining blocks (the target's tokens, mapped to the drafter's
+vocabulary by the same collator), with the recipe's batch (local: 16 x 256), precision (local: bf16
+autocast; ``--dtype`` another), AdamW and cosine schedule, one process on the same device: the first GPU
+when there is one (accelerate's default, and Trainer's), else the CPU.
 Each side runs ROUNDS times, alternating, and its best round counts. Tokens/s = input tokens / the
 training call's wall time; the machine is shared (other jobs inflate wall time at random), so tokens per
 CPU-second of this process (``time.process_time``: all its threads) is reported beside it and is the
@@ -18,16 +19,19 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 from transformers import AutoConfig, Trainer, TrainingArguments
 
-from pipeline.config import compose_config
+from pipeline.bench import BenchSettings
+from pipeline.device import cpu_model
 from pipeline.models.drafter import build_drafter, reduced_vocab
 from pipeline.models.provision import load_tokenizer, model_path
 from pipeline.training import loop
 from pipeline.training.data import Collator, pack, pretrain_tokens, token_counts
 
 STEPS = 20
+MIXED_PRECISION = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}  # --dtype as accelerate names it
 ROUNDS = 2
 
 
@@ -37,23 +41,22 @@ def timed(train) -> dict:
     return {"tokens_per_s": tokens / (time.monotonic() - wall), "tokens_per_cpu_s": tokens / (time.process_time() - cpu)}
 
 
-def ours(cfg, target_path, vocab, examples, collate) -> dict:
+def ours(cfg, tc, target_path, vocab, examples, collate) -> dict:
     model, _ = build_drafter(cfg.drafter, target_path, vocab, cfg.seed)
-    tc = OmegaConf.merge(cfg.train.pretrain, {"max_steps": STEPS, "log_every": STEPS, "save_every": 10 * STEPS})
+    tc = OmegaConf.merge(tc, {"max_steps": STEPS, "log_every": STEPS, "save_every": 10 * STEPS})
     with tempfile.TemporaryDirectory() as out_dir:
         return timed(lambda: loop.train(
             tc, model, examples, collate, Path(out_dir), lambda metrics, step: None, cfg.seed).summary["tokens_seen"])
 
 
-def trainer(cfg, target_path, vocab, examples, collate) -> dict:
+def trainer(cfg, tc, target_path, vocab, examples, collate) -> dict:
     model, _ = build_drafter(cfg.drafter, target_path, vocab, cfg.seed)
-    tc = cfg.train.pretrain
     with tempfile.TemporaryDirectory() as out_dir:
         args = TrainingArguments(
             output_dir=out_dir, per_device_train_batch_size=tc.batch_size, max_steps=STEPS, learning_rate=tc.lr,
             lr_scheduler_type="cosine", warmup_steps=tc.warmup_ratio, max_grad_norm=tc.grad_clip,  # < 1: a ratio
-            weight_decay=tc.weight_decay, logging_steps=STEPS, save_steps=STEPS, report_to=[], use_cpu=True,
-            dataloader_num_workers=0, seed=cfg.seed, disable_tqdm=True, bf16=tc.mixed_precision == "bf16",
+            weight_decay=tc.weight_decay, logging_steps=STEPS, save_steps=STEPS, report_to=[], use_cpu=not torch.cuda.is_available(),
+            dataloader_num_workers=0, seed=cfg.seed, disable_tqdm=True, bf16=tc.mixed_precision == "bf16", fp16=tc.mixed_precision == "fp16",
         )
 
         def train() -> int:  # like ours: set-up included, one checkpoint at the end
@@ -63,9 +66,11 @@ def trainer(cfg, target_path, vocab, examples, collate) -> dict:
         return timed(train)
 
 
-def main(out_dir: Path) -> dict:
-    cfg = compose_config(["recipe=local"])
+def main(out_dir: Path, settings: BenchSettings) -> dict:
+    cfg = settings.config()
     tc = cfg.train.pretrain
+    if settings.dtype:
+        tc = OmegaConf.merge(tc, {"mixed_precision": MIXED_PRECISION[settings.dtype]})
     target_path = model_path(cfg.target, cfg.paths.models_dir)
     tokenizer = load_tokenizer(target_path)
     tokens, starts = pretrain_tokens(cfg, tokenizer, max_tokens=STEPS * tc.batch_size * tc.max_length * 2)
@@ -75,10 +80,12 @@ def main(out_dir: Path) -> dict:
 
     rounds = {"ours": [], "trainer": []}
     for _ in range(ROUNDS):
-        rounds["ours"].append(ours(cfg, target_path, vocab, examples, collate))
-        rounds["trainer"].append(trainer(cfg, target_path, vocab, examples, collate))
+        rounds["ours"].append(ours(cfg, tc, target_path, vocab, examples, collate))
+        rounds["trainer"].append(trainer(cfg, tc, target_path, vocab, examples, collate))
     best = {(name, key): max(r[key] for r in runs) for name, runs in rounds.items() for key in runs[0]}
     result = {
+        "recipe": settings.recipe,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_model(),
         "drafter": cfg.drafter.name,
         "drafter_vocab": vocab.drafter_vocab_size if vocab else None,
         "batch": f"{tc.batch_size}x{tc.max_length}",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import compose_config
+from pipeline.bench import BenchSettings
 from pipeline.data.sources import load_sources
 from pipeline.device import clock, half_precision_dtypes, resolve_device
 from pipeline.evaluation import environment
@@ -41,9 +41,9 @@ def output_layer_ms(model, n: int, device: torch.device) -> float:
     return 1000 * statistics.median(times)
 
 
-def main(out_dir: Path) -> dict:
+def main(out_dir: Path, settings: BenchSettings) -> dict:
     started = time.monotonic()
-    cfg = compose_config(["recipe=local", f"lang={PAIR}"])
+    cfg = settings.config(f"lang={PAIR}")
     device = resolve_device(cfg.eval.device)
     path = model_path(cfg.target, cfg.paths.models_dir)
     tokenizer = load_tokenizer(path)

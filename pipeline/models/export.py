@@ -132,3 +132,15 @@ def sliding_window_target(target_path: str) -> bool:
     layer_types = getattr(text, "layer_types", None) or []
     return "sliding_attention" in layer_types or bool(
         getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True) and not layer_types)
+
+
+def draft_tensor_parallel_sizes(folder: Path, candidates: tuple[int, ...] = (1, 2, 4, 8)) -> list[int]:
+    """The tensor-parallel sizes among ``candidates`` vLLM can split the drafter ``folder`` over. vLLM's draft-model
+    proposer runs the drafter at the target's TP (0.32: vllm/v1/spec_decode/draft_model.py refuses any other
+    ``draft_tensor_parallel_size``), and its parallel layers need the attention heads and the MLP width to divide by
+    it, the KV heads too unless they are replicated (TP a multiple of them): a 12-head drafter cannot go 8 ways."""
+    text = AutoConfig.from_pretrained(folder).get_text_config()
+    heads, width = text.num_attention_heads, text.intermediate_size
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    return [tp for tp in candidates
+            if heads % tp == 0 and width % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)]

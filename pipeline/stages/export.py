@@ -30,7 +30,14 @@ from pipeline.device import resolve_device
 from pipeline.evaluation import GreedyGate, environment, greedy_gate_line, heldout_prompts, stop_condition, tie_tolerance
 from pipeline.jsonl import write_jsonl
 from pipeline.models.drafter import load_drafter
-from pipeline.models.export import SINGLE_KV_GROUP, VLLM_DIR, export_drafter, sliding_window_target, vllm_mapping_problem
+from pipeline.models.export import (
+    SINGLE_KV_GROUP,
+    VLLM_DIR,
+    draft_tensor_parallel_sizes,
+    export_drafter,
+    sliding_window_target,
+    vllm_mapping_problem,
+)
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.prompts import prompt_ids
 from pipeline.rundir import git_revision, make_command
@@ -79,13 +86,34 @@ def vllm_form(target_path: str, folder, vocab, k: int) -> dict:
     if vocab is None:
         return {"speculative_config": {"method": "draft_model", "model": str(folder.resolve()),
                                        "num_speculative_tokens": k},
-                "disable_hybrid_kv_cache_manager": single_kv_group, "reason": None}
+                "disable_hybrid_kv_cache_manager": single_kv_group, "reason": None,
+                "tensor_parallel_sizes": draft_tensor_parallel_sizes(folder)}
     problem = vllm_mapping_problem(target_path, folder, vocab)
     if problem is not None:
         return {"speculative_config": None, "reason": problem}
     return {"speculative_config": {"method": "draft_model", "model": str((folder / VLLM_DIR).resolve()),
                                    "num_speculative_tokens": k, "use_heterogeneous_vocab": True},
-            "disable_hybrid_kv_cache_manager": single_kv_group, "reason": None}
+            "disable_hybrid_kv_cache_manager": single_kv_group, "reason": None,
+            "tensor_parallel_sizes": draft_tensor_parallel_sizes(folder / VLLM_DIR)}
+
+
+def tensor_parallel_section(target_path: str, vllm: dict, single_kv_group: bool) -> list[str]:
+    """How to serve the drafter beside a target split over several GPUs (vLLM runs it at the target's TP)."""
+    sizes, largest = vllm["tensor_parallel_sizes"], max(vllm["tensor_parallel_sizes"])
+    spec = json.dumps(vllm["speculative_config"] | {"draft_tensor_parallel_size": largest})
+    return [
+        "", "### Beside a target on several GPUs (tensor parallelism)", "",
+        "vLLM runs a draft model at the target's tensor-parallel size: its draft-model proposer (0.32) refuses any "
+        "other `draft_tensor_parallel_size`, since a TP-1 drafter beside a TP > 1 target has every rank overwrite "
+        "the same compile cache. The drafter is then split the target's way, and its attention heads and MLP width "
+        f"must divide by the TP: this drafter splits over TP {', '.join(map(str, sizes))}, e.g.", "",
+        f"`vllm serve {target_path} --tensor-parallel-size {largest} --speculative-config '{spec}'"
+        + (f" {SINGLE_KV_GROUP}`." if single_kv_group else "`."), "",
+        "For more GPUs than that, serve the target at one of these sizes and use the others as replicas "
+        "(`--data-parallel-size`, one endpoint): a 7B target fits on one 80 GB GPU, so TP 1 with one replica per GPU "
+        "is usually the fastest on an 8-GPU node. A TP of 8 needs a drafter whose head count divides by 8 "
+        "(`drafter.num_heads`, retrain).",
+    ]
 
 
 def smoke_check(cfg: DictConfig, target_path: str, finetuned: str, folder, device: torch.device,
@@ -206,6 +234,7 @@ def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
             "",
             f"or `vllm serve {target_path} --speculative-config '{spec}'" + (f" {SINGLE_KV_GROUP}`." if single else "`."),
         ]
+        lines += tensor_parallel_section(target_path, vllm, single)
         if single:
             lines += ["", f"`{SINGLE_KV_GROUP}` is needed: {cfg.target.name} has sliding-window layers, and without it "
                       "vLLM (0.32) gives the drafter a KV cache group of its own but its attention metadata from the "
