@@ -12,9 +12,12 @@ import pkgutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig
 
 from pipeline.config import compose_config
+from pipeline.data.sources import load_sources
+from pipeline.prompts import build_prompt, prompt_ids
 
 DEFAULT_RECIPE = "local"
 
@@ -42,3 +45,9 @@ class BenchSettings:
         if self.recipe == DEFAULT_RECIPE and self.dtype is None:
             return root
         return root / "-".join(filter(None, [self.recipe, self.dtype]))
+
+
+def heldout_prompts(cfg: DictConfig, tokenizer, device: torch.device, count: int) -> list[torch.Tensor]:
+    """The first ``count`` held-out prompts of the pair, as the eval stage builds them: (1, length) ids on ``device``."""
+    return [torch.tensor([prompt_ids(build_prompt(cfg.target, cfg.lang, ex.src, tokenizer), tokenizer)], device=device)
+            for ex in load_sources(cfg)[1][:count]]

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from pipeline.bench import BenchSettings
+from pipeline.bench import BenchSettings, heldout_prompts
 from pipeline.device import resolve_device
 from pipeline.evaluation import environment, stop_condition
 from pipeline.data.sharegpt import iter_texts
@@ -38,7 +38,7 @@ from pipeline.data.sources import load_sources
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.models.vocab import VocabMap
-from pipeline.prompts import build_prompt, prompt_ids
+from pipeline.prompts import build_prompt
 from pipeline.rundir import stage_dir
 from pipeline.speculative.engine import (
     CachedModel,
@@ -147,10 +147,8 @@ def main(out_dir: Path, settings: BenchSettings) -> dict:
     target_model = load_model(target_path, cfg.target.dtype, device)
     target = CachedModel(target_model)
     stop = stop_condition(cfg.target, tokenizer, target_model)
-    train, heldout = load_sources(cfg)
-    heldout = heldout[:NUM_PROMPTS]
-    prompts = [torch.tensor([prompt_ids(build_prompt(cfg.target, cfg.lang, ex.src, tokenizer), tokenizer)], device=device)
-               for ex in heldout]
+    train = load_sources(cfg)[0]
+    prompts = heldout_prompts(cfg, tokenizer, device, NUM_PROMPTS)
     greedy = Sampling(0.0)
     finetuned_folder = stage_dir(cfg, "finetune", check_inputs=False).path / "drafter"
 

@@ -23,12 +23,10 @@ from pathlib import Path
 
 import torch
 
-from pipeline.bench import BenchSettings
-from pipeline.data.sources import load_sources
+from pipeline.bench import BenchSettings, heldout_prompts
 from pipeline.device import resolve_device
 from pipeline.evaluation import environment, first_divergence, stop_condition
 from pipeline.models.provision import load_model, load_tokenizer, model_path
-from pipeline.prompts import build_prompt, prompt_ids
 from pipeline.speculative.engine import CachedModel, PromptLookupDrafter, generate
 
 PAIR, NUM_PROMPTS, MAX_NEW_TOKENS, K = "de-en", 24, 64, 4
@@ -120,8 +118,7 @@ def main(out_dir: Path, settings: BenchSettings) -> dict:
     device = resolve_device(cfg.eval.device)
     path = model_path(cfg.target, cfg.paths.models_dir)
     tokenizer = load_tokenizer(path)
-    prompts = [torch.tensor([prompt_ids(build_prompt(cfg.target, cfg.lang, ex.src, tokenizer), tokenizer)], device=device)
-               for ex in load_sources(cfg)[1][:NUM_PROMPTS]]
+    prompts = heldout_prompts(cfg, tokenizer, device, NUM_PROMPTS)
     result = {"pair": PAIR, "prompts": len(prompts), "max_new_tokens": MAX_NEW_TOKENS, "k": K,
               "environment": environment(device)}
     for dtype in ("bfloat16", "float32"):

@@ -17,12 +17,10 @@ from pathlib import Path
 
 import torch
 
-from pipeline.bench import BenchSettings
-from pipeline.data.sources import load_sources
+from pipeline.bench import BenchSettings, heldout_prompts
 from pipeline.device import clock, half_precision_dtypes, resolve_device
 from pipeline.evaluation import environment
 from pipeline.models.provision import load_model, load_tokenizer, model_path
-from pipeline.prompts import build_prompt, prompt_ids
 from pipeline.speculative.costs import forward_seconds
 
 PAIR, NS, REPETITIONS = "de-en", [1, 2, 3, 4, 5, 6, 8, 12, 16], 11
@@ -47,9 +45,7 @@ def main(out_dir: Path, settings: BenchSettings) -> dict:
     device = resolve_device(cfg.eval.device)
     path = model_path(cfg.target, cfg.paths.models_dir)
     tokenizer = load_tokenizer(path)
-    example = load_sources(cfg)[1][0]
-    ids = torch.tensor([prompt_ids(build_prompt(cfg.target, cfg.lang, example.src, tokenizer), tokenizer)],
-                       device=device)
+    ids = heldout_prompts(cfg, tokenizer, device, 1)[0]
     models = {"float32": load_model(path, "float32", device)}
     linear = load_model(path, "float32", device)
     linear.set_output_embeddings(torch.nn.Linear(*reversed(linear.get_output_embeddings().weight.shape), bias=False))
