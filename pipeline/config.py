@@ -131,6 +131,8 @@ class DrafterConfig:
     reduced_vocab: Optional[int] = None
     # source=init: embedding rows start from the target's own, projected to hidden_size (principal directions)
     embeddings_from_target: bool = False
+    # source=init: start this shape from these weights (hub id or folder; paper-vicuna: double7/vicuna-68m), not random
+    init_from: Optional[str] = None
 
 
 @dataclass
@@ -166,7 +168,7 @@ class LangConfig:
 @dataclass
 class CorpusConfig:
     name: str = MISSING  # sharegpt | c4
-    weight: float = 1.0  # share in the interleaved mixture
+    weight: float = 1.0  # share of the pretraining TOKENS while the corpus lasts (mixed by tokens)
     hub_dataset: Optional[str] = None  # c4: allenai/c4 (streaming)
     hub_subset: Optional[str] = None  # c4: en
 
@@ -184,7 +186,7 @@ class DataConfig:
     # offline sources: this many ShareGPT segments in the target language, translated into the source
     # language by the target itself (pipeline/data/back_translation.py), become extra training prompts
     back_translation: int = 0
-    # pretraining mixture (c4, sharegpt), interleaved by weight
+    # pretraining mixture (c4, sharegpt), mixed by tokens at their weights; an exhausted corpus leaves the rest to go on
     pretrain_corpora: list[CorpusConfig] = field(default_factory=lambda: [CorpusConfig(name="sharegpt")])
     pretrain_max_documents: Optional[int] = None  # cap on pretraining documents (None: the token budget decides)
 
@@ -196,8 +198,9 @@ class ServerConfig:
     # None: target.dtype (vLLM's auto would serve float32 and float16 configs in half precision)
     dtype: Optional[str] = None
     tensor_parallel: int = 1  # GPUs per replica (--tensor-parallel-size): a target larger than one GPU
-    # replicas (vLLM's --data-parallel-size, one endpoint balancing requests over them); auto: every visible GPU
-    data_parallel: Any = 1
+    # distill's replicas (vLLM's --data-parallel-size, one endpoint balancing requests over them; the vLLM eval runs
+    # one); auto: visible GPUs // tensor_parallel, 1 without a GPU (external distill.server.url: give its count)
+    data_parallel: Any = "auto"
     port: Optional[int] = None  # preferred port of the local server; None (or taken): a free one
     cpu_kvcache_gb: int = 2  # VLLM_CPU_KVCACHE_SPACE of the CPU build
     enforce_eager: bool = True  # no graph capture: right on CPU; GPU recipes set false for CUDA graphs
@@ -211,13 +214,17 @@ class DistillConfig:
     samples_per_prompt: int = 1  # answers per prompt and temperature
     max_tokens: int = 256  # longest answer
     top_logprobs: int = 0  # store the top-N log-probabilities per token (0: none)
-    concurrency: int = 32  # requests in flight
+    concurrency_per_replica: int = 32  # requests in flight per server replica (x distill.server.data_parallel in all)
     request_timeout_s: float = 300.0  # one request's time limit
     max_retries: int = 5  # retries of a failed request (transient errors)
     # share of the records a stage may lack after requests the server rejected (HTTP 400...) and still be
     # COMPLETE; above it the stage fails and a rerun asks the missing ones again
     max_failed_share: float = 0.01
     seed: int = 0  # sampling seed of the requests
+    # jobs of a Slurm array (slurm/submit.sh --distill-shards N): each answers a disjoint slice of the prompts (by
+    # prompt id) into a stage directory of its own; finetune and scaling read all num_shards as one set
+    num_shards: int = 1
+    shard: int = 0  # this job's slice: 0 <= shard < num_shards
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
@@ -228,7 +235,8 @@ class TrainConfig:
     warmup_ratio: float = 0.03  # share of the steps spent warming up linearly
     epochs: float = 1.0  # passes over the data
     max_steps: Optional[int] = None  # cap on optimizer steps (None: epochs and token_budget decide)
-    token_budget: Optional[int] = None  # caps the steps at token_budget / (batch_size * max_length)
+    # tokens read and trained on: pretraining reads this many from its corpora; caps steps at budget / (batch_size * max_length)
+    token_budget: Optional[int] = None
     batch_size: int = 8  # sequences per optimizer step over ALL processes: split into grad_accum x num_processes
     grad_accum: int = 1  # micro-batches per optimizer step
     max_length: int = 512  # tokens per training sequence
@@ -270,6 +278,9 @@ class FinetuneConfig(TrainConfig):
     # train on this share of the distilled prompts (all their answers), drawn in an order fixed by the seed so
     # a smaller share's prompts are inside a larger one's: nested data-scaling runs (make scaling)
     data_fraction: float = 1.0
+    # pack each micro-batch's examples into rows of max_length tokens, each attending to itself only (block
+    # diagonal): a GPU computes thousands of tokens, not a few padded rows; the loss is the unpacked one
+    pack: bool = False
     on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
 
 
@@ -307,6 +318,9 @@ class EvalConfig:
     router_langs: list[str] = field(default_factory=list)
     engine: str = "transformers"  # transformers | vllm
     device: str = "auto"  # auto (CUDA when visible, else CPU) | cpu | cuda | cuda:N: target, drafters, every tensor
+    # processes that decode disjoint shares of the prompts, each on its own GPU: auto = every visible GPU (1 without
+    # CUDA, or with eval.device=cuda:N) | N; the same counts and acceptance as one process
+    processes: Any = "auto"
     # Greedy gate in bf16/fp16: a divergence from the target-only tokens is a numerical tie when the target's
     # top-2 logit gap at the first diverging token is below this (float32 targets: exact, no tolerance)
     tie_tolerance: float = 0.5
@@ -352,8 +366,8 @@ class LoggerConfig:
 @dataclass
 class PathsConfig:
     runs_dir: str = "runs"  # stage outputs: runs/<target>/<drafter>/...
-    models_dir: str = "models"  # offline models converted from GGUF
-    cache_dir: str = "runs/cache"  # derived data (offline translation sources)
+    models_dir: str = "models"  # models converted from GGUF and dry runs' stand-ins (hub models: the HF cache, $HF_HOME)
+    cache_dir: str = "runs/cache"  # derived data: translation sources, hub rows, pretraining tokens, `make prepare` records
 
 
 @dataclass
@@ -362,6 +376,7 @@ class Config:
     run: str = "${recipe}"  # the variant's name in the finetune and eval folders (pipeline/rundir.py)
     seed: int = 0  # seeds data order, drafter init and sampling
     force: bool = False  # redo a stage whose directory is complete for this config
+    needs_gpu: bool = False  # the recipe is sized for GPUs: slurm/submit.sh refuses it with --gpus-per-node 0
     target: TargetConfig = MISSING
     drafter: DrafterConfig = MISSING
     lang: LangConfig = MISSING
@@ -498,6 +513,11 @@ def validate(cfg: DictConfig) -> None:
         problems.append(f"drafter.num_heads {d.num_heads} is not divisible by drafter.num_kv_heads {d.num_kv_heads}")
     if d.embeddings_from_target and d.source != ModelSource.init:
         problems.append(f"drafter.embeddings_from_target starts new weights: it needs drafter.source=init, not {d.source.value}")
+    if d.init_from and (d.source != ModelSource.init or d.reduced_vocab is not None):
+        problems.append("drafter.init_from starts a source=init drafter of the full vocabulary from published weights; "
+                        "unset drafter.reduced_vocab and use drafter.source=init, or drop init_from")
+    if any(corpus.weight <= 0 for corpus in cfg.data.pretrain_corpora):
+        problems.append("data.pretrain_corpora: every weight must be > 0 (a share of the pretraining tokens)")
     if d.source in (ModelSource.hub, ModelSource.local) and not d.path:
         problems.append(f"drafter.source={d.source.value} needs drafter.path")
     if cfg.target.source == ModelSource.init:
@@ -545,11 +565,22 @@ def validate(cfg: DictConfig) -> None:
         problems.append("train.finetune.on_policy.rollout_temperature must be >= 0")
     if not DEVICE_SPEC.fullmatch(cfg.eval.device):
         problems.append(f"eval.device={cfg.eval.device} is not a device; use auto, cpu, cuda or cuda:N")
+    if cfg.eval.processes != "auto" and (not isinstance(cfg.eval.processes, int) or cfg.eval.processes < 1):
+        problems.append(f"eval.processes must be a positive integer or auto, not {cfg.eval.processes}")
     server = cfg.distill.server
     if server.tensor_parallel < 1:
         problems.append("distill.server.tensor_parallel must be >= 1")
     if server.data_parallel != "auto" and (not isinstance(server.data_parallel, int) or server.data_parallel < 1):
         problems.append(f"distill.server.data_parallel must be a positive integer or auto, not {server.data_parallel}")
+    distill = cfg.distill
+    if distill.concurrency_per_replica < 1:
+        problems.append("distill.concurrency_per_replica must be >= 1")
+    if distill.num_shards < 1 or not 0 <= distill.shard < distill.num_shards:
+        problems.append(f"distill.shard={distill.shard} of distill.num_shards={distill.num_shards}: need num_shards >= 1 "
+                        "and 0 <= shard < num_shards")
+    elif distill.num_shards > 1 and cfg.data.back_translation:
+        problems.append("distill.num_shards > 1 needs data.back_translation=0: back-translated prompts are chosen "
+                        "over the whole prompt set, which no shard sees")
     if cfg.export.num_prompts < 1:
         problems.append("export.num_prompts must be >= 1")
     if unknown := [d for d in cfg.eval.dtype_candidates if d not in ("bfloat16", "float16")]:

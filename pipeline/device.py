@@ -7,10 +7,15 @@ it is ``perf_counter`` alone.
 
 ``half_precision_dtypes(device)`` names the half-precision dtypes the device computes natively, the
 candidates the eval stage may decode in (pipeline/speculative/costs.py).
+
+``check_slurm_gpus()`` refuses, in one line, a Slurm job whose torch cannot see the GPUs Slurm gave it
+(a CPU build installed on a login node without nvidia-smi, or a driver the build cannot use): every
+stage calls it before any work instead of training or decoding a 7B model on the CPU.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from functools import cache
@@ -36,6 +41,34 @@ def resolve_device(spec: str, key: str = "eval.device") -> torch.device:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def slurm_gpus(env: dict[str, str] = os.environ) -> int:
+    """The GPUs Slurm gave this job on this node; 0 outside a Slurm job or in one without GPUs."""
+    if "SLURM_JOB_ID" not in env:
+        return 0
+    if env.get("SLURM_GPUS_ON_NODE", "").isdigit():
+        return int(env["SLURM_GPUS_ON_NODE"])
+    ids = env.get("SLURM_STEP_GPUS") or env.get("SLURM_JOB_GPUS") or ""
+    return len([gpu for gpu in ids.split(",") if gpu.strip()])
+
+
+def check_slurm_gpus(env: dict[str, str] = os.environ) -> None:
+    """ConfigError, naming the fix, when torch sees fewer GPUs than Slurm gave this job (and lets it see:
+    CUDA_VISIBLE_DEVICES, where set, may narrow them on purpose)."""
+    given = slurm_gpus(env)
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    expected = given if visible is None else min(given, len([gpu for gpu in visible.split(",") if gpu.strip()]))
+    if not expected:
+        return
+    fix = "rebuild the venv for GPUs: rm -rf .venv && make install EXTRAS=gpu,dev"
+    if torch.version.cuda is None:
+        raise ConfigError(f"Slurm gave this job {given} GPU(s) but the venv's torch {torch.__version__} is a CPU build "
+                          f"(make install chose it where nvidia-smi found no GPU): {fix}")
+    if (seen := torch.cuda.device_count()) < expected:
+        shown = "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible})"
+        raise ConfigError(f"Slurm gave this job {given} GPU(s){shown} but torch {torch.__version__} sees {seen}: check nvidia-smi and that the driver supports CUDA "
+                          f"{torch.version.cuda}, or {fix}")
 
 
 def synchronize(device: torch.device) -> None:

@@ -5,12 +5,18 @@ set -euo pipefail
 # sbatch exports the caller's environment, whose LANG is a locale that may not exist on this node:
 # children get one that always does. The language pair travels as LANG_PAIR, never LANG.
 export LANG=C.UTF-8 LC_ALL=C.UTF-8 PYTHONUNBUFFERED=1
+# Compute nodes have no hub: every stage reads what `make prepare` cached on the login node (HF_HOME must be a
+# filesystem both see), and names `make prepare` in one line when something is missing. HF_HUB_OFFLINE=0 lets
+# a cluster with internet on its nodes fetch on demand.
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 PY=${SPECDRAFT_PYTHON:-.venv/bin/python}
 
-# An array job runs one pair per task: task i takes the i-th word of LANG_PAIRS.
+# An array job runs PAIR_TASKS tasks per pair (distill: one per prompt shard; 1 elsewhere): task i takes
+# the (i // PAIR_TASKS)-th word of LANG_PAIRS.
+PAIR_TASKS=${PAIR_TASKS:-1}
 if [[ -n ${SLURM_ARRAY_TASK_ID:-} && -n ${LANG_PAIRS:-} ]]; then
     read -r -a pairs <<<"$LANG_PAIRS"
-    LANG_PAIR=${pairs[$SLURM_ARRAY_TASK_ID]:?"array task $SLURM_ARRAY_TASK_ID has no pair in LANG_PAIRS='$LANG_PAIRS'"}
+    LANG_PAIR=${pairs[$((SLURM_ARRAY_TASK_ID / PAIR_TASKS))]:?"array task $SLURM_ARRAY_TASK_ID has no pair in LANG_PAIRS='$LANG_PAIRS'"}
 fi
 LANG_PAIR=${LANG_PAIR:-de-en}
 echo "job ${SLURM_JOB_ID:-none} (restart ${SLURM_RESTART_COUNT:-0}) on $(hostname): ${SLURM_JOB_NAME:-stage} lang=$LANG_PAIR"
@@ -67,6 +73,8 @@ run_training() {
     MAIN_PROCESS_IP=$(scontrol show node "$head" | grep -oP 'NodeAddr=\K\S+')
     MAIN_PROCESS_PORT=${MAIN_PROCESS_PORT:-$((20000 + SLURM_JOB_ID % 20000))}  # per job: two jobs on a node never share it
     export MAIN_PROCESS_IP MAIN_PROCESS_PORT
-    run_requeueable srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \
-        slurm/train-node.sh "$stage" "$@" "lang=$LANG_PAIR"
+    # srun does not inherit the job's --cpus-per-task (Slurm >= 22.05): without it each node's ranks
+    # would be bound to one CPU.
+    run_requeueable srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} \
+        --kill-on-bad-exit=1 slurm/train-node.sh "$stage" "$@" "lang=$LANG_PAIR"
 }

@@ -17,16 +17,29 @@ if ((SLURM_NODEID == 0)); then
 else
     # Every other node starts only its accelerate workers, with the same composed config; the stage's
     # bookkeeping stays with node 0, so nothing is written twice.
+    status=0
     run_session "$PY" -c '
 import os, sys
 from omegaconf import OmegaConf
+from pipeline.cli import USER_ERRORS
 from pipeline.config import compose_config
+from pipeline.device import check_slurm_gpus
+from pipeline.prepare import offline_when_prepared
 from pipeline.training.launch import accelerate_command, launch_env
 stage, config_file, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
 os.umask(0o077)  # the config file in a shared TMPDIR: readable by this user only
-cfg = compose_config(overrides)
-OmegaConf.save(cfg, config_file, resolve=True)
-command = accelerate_command(cfg, stage, config_file)
+try:  # the checks the stage makes on node 0; the hub stays off here too once `make prepare` cached everything
+    cfg = compose_config(overrides)
+    check_slurm_gpus()
+    offline_when_prepared(cfg)
+    OmegaConf.save(cfg, config_file, resolve=True)
+    command = accelerate_command(cfg, stage, config_file)
+except USER_ERRORS as exc:
+    sys.exit(f"error: {exc}")
 os.execve(command[0], command, launch_env(cfg.train[stage].launch))
-' "$stage" "${TMPDIR:-/tmp}/specdraft-$SLURM_JOB_ID-$stage-node$SLURM_NODEID.yaml" "$@"
+' "$stage" "${TMPDIR:-/tmp}/specdraft-$SLURM_JOB_ID-$stage-node$SLURM_NODEID.yaml" "$@" || status=$?
+    # Preempted (75, EXIT_PREEMPTED in pipeline/training/loop.py: every worker checkpointed) is node 0's to
+    # report, which requeues the job: a failure here would make srun (--kill-on-bad-exit) kill node 0's stage.
+    ((status == 75)) && status=0
+    exit "$status"
 fi

@@ -123,3 +123,42 @@ def test_device_setting_is_resolved_and_checked(monkeypatch):
         resolve_device("cuda:2")
     with pytest.raises(ConfigError, match="eval.device=gpu is not a device; use auto, cpu, cuda or cuda:N"):
         compose_config(["recipe=ci", "eval.device=gpu"])
+
+
+def test_a_slurm_job_whose_torch_cannot_see_its_gpus_is_refused_in_one_line(monkeypatch):
+    job = {"SLURM_JOB_ID": "7"}
+    devices.check_slurm_gpus({})  # not a Slurm job: nothing to compare
+    devices.check_slurm_gpus(job)  # a CPU job
+    assert devices.slurm_gpus(job | {"SLURM_GPUS_ON_NODE": "8"}) == 8
+    assert devices.slurm_gpus(job | {"SLURM_JOB_GPUS": "0,1,2,3"}) == 4
+    assert devices.slurm_gpus({"SLURM_GPUS_ON_NODE": "8"}) == 0  # a leftover variable outside a job
+
+    monkeypatch.setattr(torch.version, "cuda", None)  # this venv's CPU build, as make install picks on a login node
+    with pytest.raises(ConfigError, match=r"^Slurm gave this job 8 GPU\(s\) but the venv's torch .* is a CPU build .*"
+                                          r"make install EXTRAS=gpu,dev$"):
+        devices.check_slurm_gpus(job | {"SLURM_GPUS_ON_NODE": "8", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"})
+    devices.check_slurm_gpus(job | {"SLURM_GPUS_ON_NODE": "8", "CUDA_VISIBLE_DEVICES": ""})  # hidden on purpose
+
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # a driver too old for the build
+    with pytest.raises(ConfigError, match=r"^Slurm gave this job 2 GPU\(s\) \(CUDA_VISIBLE_DEVICES=0,1\) but torch .* "
+                                          r"sees 0: .*CUDA 12.8.*make install EXTRAS=gpu,dev$"):
+        devices.check_slurm_gpus(job | {"SLURM_JOB_GPUS": "0,1", "CUDA_VISIBLE_DEVICES": "0,1"})
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    devices.check_slurm_gpus(job | {"SLURM_GPUS_ON_NODE": "8", "CUDA_VISIBLE_DEVICES": "3"})  # one per eval worker
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    devices.check_slurm_gpus(job | {"SLURM_GPUS_ON_NODE": "8"})
+
+
+def test_every_stage_checks_the_gpus_slurm_gave_it_before_any_work(monkeypatch, capsys, tmp_path):
+    from pipeline.cli import main as cli
+
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "8")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    for stage in ("distill", "pretrain", "finetune", "eval"):
+        assert cli([stage, "recipe=ci", f"paths.runs_dir={tmp_path}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: Slurm gave this job 8 GPU(s)") and err.count("\n") == 1, err
+    assert not any(tmp_path.iterdir())  # no stage directory begun

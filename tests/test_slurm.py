@@ -9,6 +9,8 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,3 +200,78 @@ def test_refused_job_leaves_no_half_submitted_chain(cluster, tmp_path):
     assert done.stdout.split("=")[0] == "distill" and "sbatch refused the pretrain job" in done.stderr
     assert cluster.task(distill, 0)["JobState"] == "CANCELLED"
     cluster.wait_until_idle(60, tmp_path)
+
+
+def submit_dry_run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """slurm/submit.sh --dry-run: its sbatch lines, without a cluster."""
+    return subprocess.run([SUBMIT, "--dry-run", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+
+
+def test_a_gpu_recipe_is_refused_without_gpus_in_one_line():
+    done = submit_dry_run("--recipe", "paper-vicuna", "--gpus-per-node", "0")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == ("error: recipe paper-vicuna needs GPUs (needs_gpu: true) but --gpus-per-node is 0: "
+                           "pass --gpus-per-node N (a node's GPUs, e.g. 8)\n")
+
+
+def test_gpu_jobs_ask_for_each_gpus_cpu_and_memory_share_and_eval_is_not_exclusive():
+    done = submit_dry_run("--recipe", "paper-vicuna", "--langs", "de-en fr-en", "--gpus-per-node", "8")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split()[-2] for line in lines] == [f"slurm/{stage}.sbatch" for stage in STAGES]
+    for line in lines:
+        assert " --cpus-per-task=64 --mem=512G --gpus-per-node=8 " in line and "--exclusive" not in line, line
+    assert "--dependency=aftercorr:DISTILL_JOB,afterok:PRETRAIN_JOB" in lines[2]
+    override = submit_dry_run("--recipe", "paper-vicuna", "--gpus-per-node", "4", "--cpus", "20", "--mem-per-gpu", "100G")
+    assert " --cpus-per-task=20 --mem=400G --gpus-per-node=4 " in override.stdout, override.stderr
+
+
+def test_gpu_jobs_are_refused_while_the_venv_is_a_cpu_build(tmp_path):
+    """A venv make install built where nvidia-smi found no GPU (a login node), named by its stamp."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(os.path.realpath(sys.executable))
+    (venv / "pyvenv.cfg").write_text(f"home = {Path(os.path.realpath(sys.executable)).parent}\n")
+    (venv / ".installed-cpu-dev").touch()
+    sbatch = tmp_path / "sbatch"  # must never be called
+    sbatch.write_text("#!/bin/sh\ntouch \"$0.called\"\nexit 99\n")
+    sbatch.chmod(0o755)
+    env = {**os.environ, "SPECDRAFT_PYTHON": str(venv / "bin" / "python"), "PATH": f"{tmp_path}:{os.environ['PATH']}",
+           "PYTHONPATH": f"{REPO_ROOT}:{sysconfig.get_paths()['purelib']}", "LANG": "C.UTF-8"}
+    done = subprocess.run([SUBMIT, "--recipe", "ci", "--gpus-per-node", "8"], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True)
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert done.stderr.startswith(f"error: {venv} is a CPU build (cpu-dev") and len(done.stderr.splitlines()) == 1
+    assert done.stderr.rstrip().endswith("make install EXTRAS=gpu,dev") and not Path(f"{sbatch}.called").exists()
+
+
+def test_distill_shards_make_pairs_times_shards_tasks_that_finetune_waits_for_whole(cluster, tmp_path):
+    """Submitted held: the arrays and dependencies as Slurm records them; then each distill task's pair and
+    shard as slurm/distill.sbatch computes them (its python an echo)."""
+    env = {**cluster.env, "SBATCH_HOLD": "1"}
+    done = subprocess.run([SUBMIT, "--recipe", "ci", "--langs", "de-en fr-en", "--distill-shards", "2",
+                           "--log-dir", str(tmp_path), f"paths.runs_dir={tmp_path}"], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    ids = dict(line.split("=", 1) for line in done.stdout.split())
+    try:
+        # Pending arrays are one record each: their task range and dependency.
+        assert cluster.task(ids["distill"])["ArrayTaskId"] == "0-3"
+        assert cluster.task(ids["finetune"])["ArrayTaskId"] == "0-1"
+        assert cluster.task(ids["finetune"])["Dependency"].startswith(f"afterok:{ids['distill']}_*")
+        assert cluster.task(ids["eval"])["Dependency"].startswith(f"aftercorr:{ids['finetune']}_*")
+    finally:
+        cluster.run("scancel", *ids.values())
+        cluster.wait_until_idle(60, tmp_path)
+    echo = tmp_path / "python"
+    echo.write_text("#!/bin/sh\necho \"$@\"\n")
+    echo.chmod(0o755)
+    answered = []
+    for task in range(4):
+        task_env = {**os.environ, "SLURM_ARRAY_TASK_ID": str(task), "LANG_PAIRS": "de-en fr-en", "PAIR_TASKS": "2",
+                    "SPECDRAFT_PYTHON": str(echo)}
+        out = subprocess.run([str(SLURM_DIR / "distill.sbatch"), "recipe=ci", "distill.num_shards=2"], cwd=REPO_ROOT,
+                             env=task_env, capture_output=True, text=True, check=True).stdout
+        answered.append(out.splitlines()[-1].split()[-2:])
+    assert answered == [["lang=de-en", "distill.shard=0"], ["lang=de-en", "distill.shard=1"],
+                        ["lang=fr-en", "distill.shard=0"], ["lang=fr-en", "distill.shard=1"]]

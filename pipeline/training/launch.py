@@ -141,13 +141,13 @@ def worker_error(errors_dir: Path, stage: str, code: int) -> Exception:
     reports = [json.loads(path.read_text()) for path in errors_dir.glob("rank-*.json")]
     reports.sort(key=lambda report: (not report["user_error"], report["time"]))
     if not reports:
-        return RuntimeError(f"accelerate launch of {stage} failed with exit code {code}; see the output above")
+        return RuntimeError(f"the worker processes of {stage} failed with exit code {code}; see the output above")
     first = reports[0]
     module, _, name = first["type"].rpartition(".")
     cls = getattr(importlib.import_module(module), name, None) if first["user_error"] else None
     if isinstance(cls, type) and issubclass(cls, USER_ERRORS):
         return cls(first["message"])
-    return RuntimeError(f"accelerate launch of {stage} failed with exit code {code}: rank {first['rank']} raised "
+    return RuntimeError(f"the worker processes of {stage} failed with exit code {code}: rank {first['rank']} raised "
                         f"{first['type']}: {first['message']}")
 
 
