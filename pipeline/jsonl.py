@@ -1,12 +1,17 @@
-"""Append-only JSONL files that survive a ``kill -9`` or a full disk: the distill stage's records, the eval
-stage's per-prompt results and the training metrics are written one durable line at a time and read back
-without a torn last line."""
+"""Append-only JSONL files that survive a ``kill -9`` or a full disk: the eval stage's per-prompt results and
+the training metrics are written one durable line at a time, the distill stage's records by a writer thread
+(``BackgroundJsonl``), and all are read back without a torn last line."""
 
 from __future__ import annotations
 
 import json
 import os
+import queue
+import threading
+import time
 from pathlib import Path
+
+from pipeline.durable import fsync_dir
 
 
 def cut_torn_tail(path: Path) -> bytes:
@@ -43,6 +48,78 @@ class AppendOnlyJsonl:
     def close(self) -> None:
         if self.handle is not None:
             self.handle.close()
+
+
+class BackgroundJsonl:
+    """Appends JSON lines from a thread of its own, so the caller (distill's asyncio event loop, hundreds of
+    requests in flight) never waits on the disk: ``append`` only queues the row. The thread writes whatever is
+    queued as whole lines and flushes them at once (a ``kill -9`` loses only rows still queued), and fsyncs at
+    most every ``sync_every_s`` and on ``close`` (a node's crash loses at most that last second). Either way a
+    lost row is simply absent, and a torn last line is cut when the file is read or appended to again
+    (cut_torn_tail); an append-only reader that resumes by what the file holds asks for it again.
+
+    A write error (disk full) is raised by the next ``append`` and by ``close``."""
+
+    _CLOSE = object()
+
+    def __init__(self, path: Path, sync_every_s: float = 1.0):
+        self.path, self.sync_every_s = path, sync_every_s
+        self.rows: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        # a daemon: a stage that dies without close() must not hang the interpreter at exit
+        self.thread = threading.Thread(target=self._write_all, name=f"jsonl-writer {path.name}", daemon=True)
+        self.thread.start()
+
+    def append(self, row: dict) -> None:
+        if self.error is not None:
+            raise OSError(f"writing {self.path} failed: {self.error}") from self.error
+        self.rows.put(row)
+
+    def close(self) -> None:
+        """Writes and fsyncs every queued row, then stops the thread."""
+        if self.thread.is_alive():
+            self.rows.put(self._CLOSE)
+            self.thread.join()
+        if self.error is not None:
+            raise OSError(f"writing {self.path} failed: {self.error}") from self.error
+
+    def __enter__(self) -> "BackgroundJsonl":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _write_all(self) -> None:
+        handle, unsynced, last_sync, closing = None, False, time.monotonic(), False
+        try:
+            while not closing:
+                try:  # wait for rows; with unsynced lines, only until their fsync is due
+                    batch = [self.rows.get(timeout=max(last_sync + self.sync_every_s - time.monotonic(), 0)
+                                           if unsynced else None)]
+                except queue.Empty:
+                    batch = []
+                while not self.rows.empty():
+                    batch.append(self.rows.get())
+                closing = any(row is self._CLOSE for row in batch)
+                lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in batch if row is not self._CLOSE)
+                if lines:
+                    if handle is None:
+                        created = not self.path.exists()
+                        cut_torn_tail(self.path)
+                        handle = self.path.open("a")
+                        if created:
+                            fsync_dir(self.path.parent)  # the new file's name survives a crash too
+                    handle.write(lines)
+                    handle.flush()
+                    unsynced = True
+                if unsynced and (closing or time.monotonic() >= last_sync + self.sync_every_s):
+                    os.fsync(handle.fileno())
+                    unsynced, last_sync = False, time.monotonic()
+        except BaseException as exc:  # handed to the caller by append() and close()
+            self.error = exc
+        finally:
+            if handle is not None:
+                handle.close()
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:

@@ -4,6 +4,7 @@ Every stage reads from and writes to a deterministic directory (no timestamps: e
 Slurm job computes the same path):
 
     runs/<target>/distill/<lang>/
+    runs/<target>/distill/<lang>.shards-<N>/shard-<K>/   distill.num_shards=N: one job's slice, read as one set
     runs/<target>/<drafter>/pretrain/<hash>/       content-addressed: one folder per pretraining config
     runs/<target>/<drafter>/<run>/<lang>/finetune/
     runs/<target>/<drafter>/<run>/<lang>/eval/
@@ -50,7 +51,8 @@ STAGE_SECTIONS = {
     # Not the endpoint, concurrency or timeouts: a rerun through another server resumes the same records.
     # Sampling is the eval's (top_p, top_k), so the drafter learns the distribution it is measured against.
     "distill": ["target", "lang", "data", "distill.temperatures", "distill.samples_per_prompt", "distill.max_tokens",
-                "distill.top_logprobs", "distill.seed", "distill.server.dtype", "eval.top_p", "eval.top_k"],
+                "distill.top_logprobs", "distill.seed", "distill.server.dtype", "eval.top_p", "eval.top_k",
+                "distill.num_shards", "distill.shard"],
     # Only the data keys pretraining reads: new translation sources (back-translation) keep the pretrained drafter.
     "pretrain": ["target", "drafter", "data.pretrain_corpora", "data.pretrain_max_documents", "train.pretrain", "seed"],
     "finetune": ["target", "drafter", "lang", "train.finetune", "seed"],
@@ -62,10 +64,11 @@ STAGE_SECTIONS = {
 
 # Keys inside those sections that do not change a stage's result, so changing them keeps its hash: how
 # often training logs and checkpoints, whether it resumes, and how many processes share each step
-# (``batch_size`` is the global batch, split over the processes: the same data and loss per step).
+# (``batch_size`` is the global batch, split over the processes: the same data and loss per step; the eval's
+# processes decode disjoint prompts with the same seeds: the same counts).
 RESULT_NEUTRAL = {
     f"train.{stage}": ("log_every", "save_every", "resume", "launch", "num_processes") for stage in ("pretrain", "finetune")
-}
+} | {"eval": ("processes",)}
 
 
 class StageInputError(RuntimeError):
@@ -107,6 +110,13 @@ class StageDir:
     path: Path
     config_hash: str
     inputs: dict[str, "StageDir"] = field(default_factory=dict)
+    # an input distill of distill.num_shards > 1: its shards' directories (``path`` is the folder holding them)
+    shards: list["StageDir"] = field(default_factory=list)
+
+    @property
+    def parts(self) -> list["StageDir"]:
+        """The directories holding this output: the shards of a sharded distill, else the directory itself."""
+        return self.shards or [self]
 
     @property
     def marker(self) -> Path:
@@ -199,7 +209,9 @@ class StageDir:
 def stage_path(cfg: DictConfig, stage: str, digest: str) -> Path:
     root = Path(cfg.paths.runs_dir) / cfg.target.name
     if stage == "distill":
-        return root / "distill" / cfg.lang.pair
+        if cfg.distill.num_shards == 1:
+            return root / "distill" / cfg.lang.pair
+        return shard_set_path(cfg) / f"shard-{cfg.distill.shard}"
     if stage == "pretrain":
         return root / cfg.drafter.name / "pretrain" / digest
     return root / cfg.drafter.name / cfg.run / cfg.lang.pair / stage
@@ -218,17 +230,61 @@ def input_stages(cfg: DictConfig, stage: str) -> list[str]:
     return []
 
 
+def shard_set_path(cfg: DictConfig) -> Path:
+    return Path(cfg.paths.runs_dir) / cfg.target.name / "distill" / f"{cfg.lang.pair}.shards-{cfg.distill.num_shards}"
+
+
+def shard_args(cfg: DictConfig, shard: int | str | None = None) -> tuple[str, ...]:
+    """The overrides that name a distill shard (``shard``, else the config's own), none when unsharded."""
+    if cfg.distill.num_shards == 1:
+        return ()
+    return f"distill.num_shards={cfg.distill.num_shards}", f"distill.shard={cfg.distill.shard if shard is None else shard}"
+
+
+def distill_input(cfg: DictConfig, check_inputs: bool) -> StageDir:
+    """The distill output a later stage reads: with distill.num_shards > 1, every shard as one set, whose hash
+    (its readers' upstream hash) is the shards' config without the shard index."""
+    if cfg.distill.num_shards == 1:
+        return stage_dir(cfg, "distill", check_inputs)
+    shards = [stage_dir(OmegaConf.merge(cfg, {"distill": {"shard": shard}}), "distill", check_inputs)
+              for shard in range(cfg.distill.num_shards)]
+    keys = [key for key in hashed_keys(cfg, "distill") if key != "distill.shard"]
+    return StageDir(stage="distill", path=shard_set_path(cfg), config_hash=config_hash(cfg, keys), shards=shards)
+
+
+def check_shards(cfg: DictConfig, stage: str, distill: StageDir) -> None:
+    """Every shard of the distill set complete and of the current config, else one line naming the shards to run."""
+    incomplete = [s for s, part in enumerate(distill.shards) if not part.is_complete()]
+    stale = [s for s, part in enumerate(distill.shards) if part.is_complete() and part.recorded_hash() != part.config_hash]
+    if incomplete or stale:
+        shards, extra = (incomplete, ()) if incomplete else (stale, ("force=true",))
+        listed = ", ".join(map(str, shards))
+        state = "not complete" if incomplete else "made with another config"
+        raise StageInputError(
+            f"{stage} reads all {cfg.distill.num_shards} distill shards of {distill.path}, and shard(s) {listed} "
+            f"{'is' if len(shards) == 1 else 'are'} {state}: run `{make_command(cfg, 'distill', (*shard_args(cfg, 'K'), *extra))}` "
+            f"for K in {' '.join(map(str, shards))} (slurm/submit.sh --distill-shards {cfg.distill.num_shards} runs "
+            "them as an array)")
+
+
 def stage_dir(cfg: DictConfig, stage: str, check_inputs: bool = True) -> StageDir:
     """The stage's directory with its inputs resolved; fails fast when an input is not complete."""
     if stage not in (*STAGES, EXPORT, SCALING):
         raise ValueError(f"unknown stage '{stage}'; valid: {', '.join((*STAGES, EXPORT, SCALING))}")
-    inputs = {name: stage_dir(cfg, name, check_inputs) for name in input_stages(cfg, stage)}
+    inputs = {name: distill_input(cfg, check_inputs) if name == "distill" else stage_dir(cfg, name, check_inputs)
+              for name in input_stages(cfg, stage)}
     if check_inputs:
         for name, upstream in inputs.items():
+            if upstream.shards:
+                check_shards(cfg, stage, upstream)
+                continue
             if not upstream.is_complete():
+                sharded = sorted(p.name for p in upstream.path.parent.glob(f"{upstream.path.name}.shards-*")) \
+                    if name == "distill" else []
                 raise StageInputError(
                     f"{stage} needs the {name} output {upstream.path}, which is not complete: "
-                    f"run `{make_command(cfg, name)}` first"
+                    f"run `{make_command(cfg, name)}` first" +
+                    (f" (or pass distill.num_shards=N to read a sharded one: {', '.join(sharded)})" if sharded else "")
                 )
             if upstream.recorded_hash() != upstream.config_hash:
                 raise StageInputError(
@@ -241,8 +297,8 @@ def stage_dir(cfg: DictConfig, stage: str, check_inputs: bool = True) -> StageDi
 
 def hashed_keys(cfg: DictConfig, stage: str) -> list[str]:
     """The config keys a stage's hash covers: its sections, less their RESULT_NEUTRAL keys, and less the
-    finetune's on-policy phase while it is off and its data_fraction while it is 1 (finetunes made before
-    they existed keep their hash)."""
+    finetune's on-policy phase while it is off, its data_fraction while it is 1 and an unsharded distill's shard
+    keys (stages made before they existed keep their hash)."""
     keys = []
     for key in STAGE_SECTIONS[stage]:
         neutral = RESULT_NEUTRAL.get(key)
@@ -254,4 +310,7 @@ def hashed_keys(cfg: DictConfig, stage: str) -> list[str]:
         keys.remove("train.finetune.on_policy")
     if stage == "finetune" and cfg.train.finetune.data_fraction == 1:
         keys.remove("train.finetune.data_fraction")
+    if stage == "distill" and cfg.distill.num_shards == 1:
+        keys.remove("distill.num_shards")
+        keys.remove("distill.shard")
     return keys

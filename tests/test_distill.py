@@ -12,6 +12,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,8 +25,9 @@ from pipeline.models.provision import load_tokenizer
 from pipeline.prompts import build_prompt
 from pipeline.rundir import stage_dir
 from pipeline.serving.server import INFO_FILE, ServingError
-from pipeline.jsonl import AppendOnlyJsonl, read_jsonl
-from pipeline.stages.distill import load_records, request_seed
+from pipeline.jsonl import AppendOnlyJsonl, BackgroundJsonl, read_jsonl
+from pipeline.rundir import StageInputError
+from pipeline.stages.distill import load_records, request_seed, shard_of
 
 CACHE = REPO_ROOT / "runs" / "cache"
 FIELDS = {"id", "temperature", "sample", "prompt", "response", "finish_reason", "stop_reason", "prompt_tokens",
@@ -112,14 +114,72 @@ def test_torn_last_line_is_cut_and_only_complete_records_count(tmp_path):
     assert len(read_jsonl(records / "attempt-001.jsonl")) == 1
 
 
-def test_answers_with_unicode_line_separators_read_back_whole(tmp_path):
+@pytest.mark.parametrize("writer", [AppendOnlyJsonl, BackgroundJsonl])
+def test_answers_with_unicode_line_separators_read_back_whole(tmp_path, writer):
     """gemma-3-270m answered one demo prompt with a U+2028 in it: JSON keeps it raw, and it is not a line end."""
-    out = AppendOnlyJsonl(tmp_path / "attempt-000.jsonl")
+    out = writer(tmp_path / "attempt-000.jsonl")
     answers = ["defend these\u2028first", "a\x85b\x1cc\u2029d", "plain"]
     for i, response in enumerate(answers):
         out.append({"id": f"e{i}", "temperature": 1.0, "sample": 0, "response": response})
     out.close()
     assert [r["response"] for r in read_jsonl(tmp_path / "attempt-000.jsonl")] == answers
+
+
+def test_the_record_writer_never_makes_the_caller_wait_for_an_fsync(tmp_path, monkeypatch):
+    """Distill's event loop only queues a record: the writer thread fsyncs once per interval and at close, not per
+    record, appends after a torn tail start a line of their own, and a write error reaches the caller."""
+    path = tmp_path / "attempt-000.jsonl"
+    path.write_text('{"id": "e0", "temperature": 0.0, "sample": 0}\n{"id": "e1", "temper')  # a kill -9 mid-write
+    synced_by = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced_by.append(threading.current_thread()), real_fsync(fd)))
+    with BackgroundJsonl(path, sync_every_s=60) as out:
+        for i in range(1, 1001):
+            out.append({"id": f"e{i}", "temperature": 0.0, "sample": 0})
+    assert len(synced_by) == 1 and synced_by[0] is not threading.main_thread()  # one fsync (at close) for 1000
+    assert [r["id"] for r in read_jsonl(path)] == [f"e{i}" for i in range(1001)]
+
+    broken = BackgroundJsonl(tmp_path / "missing-folder" / "attempt-000.jsonl")
+    broken.append({"id": "e0"})
+    with pytest.raises(OSError, match="missing-folder"):
+        broken.close()
+
+
+def test_shards_are_disjoint_and_cover_every_prompt(ci_cfg):
+    ids = [ex.id for ex in load_sources(ci_cfg)[0]] + [f"id-{i}" for i in range(2000)]
+    for num_shards in (1, 2, 3, 8):
+        shards = [{i for i in ids if shard_of(i, num_shards) == shard} for shard in range(num_shards)]
+        assert sum(map(len, shards)) == len(ids) and set().union(*shards) == set(ids)
+        assert min(map(len, shards)) > 0.8 * len(ids) / num_shards  # balanced, by a hash of the id
+    assert [shard_of(i, 3) for i in ids] == [shard_of(i, 3) for i in reversed(ids)][::-1]  # order-independent
+
+
+def test_finetune_reads_every_shard_and_names_the_missing_ones_in_one_line(runs_dir):
+    args = ["recipe=ci", f"paths.runs_dir={runs_dir}", "distill.num_shards=3", "train.finetune.mode=finetune_only"]
+    shard_dirs = [stage_dir(compose_config([*args, f"distill.shard={k}"]), "distill") for k in range(3)]
+    assert len({d.path for d in shard_dirs}) == 3 and len({d.config_hash for d in shard_dirs}) == 3
+    assert stage_dir(compose_config(["recipe=ci", f"paths.runs_dir={runs_dir}"]), "distill").path not in \
+        {d.path for d in shard_dirs}
+    for k in (0, 2):  # shard 1 never ran
+        cfg = compose_config([*args, f"distill.shard={k}"])
+        shard_dirs[k].begin(cfg)
+        shard_dirs[k].finish(cfg, {"records": 0})
+    with pytest.raises(StageInputError) as error:
+        stage_dir(compose_config(args), "finetune")
+    message = str(error.value)
+    assert "\n" not in message and "shard(s) 1 is not complete" in message
+    assert "make distill LANG=de-en RECIPE=ci ARGS='distill.num_shards=3 distill.shard=K'` for K in 1" in message
+
+    cfg = compose_config([*args, "distill.shard=1"])
+    shard_dirs[1].begin(cfg)
+    shard_dirs[1].finish(cfg, {"records": 0})
+    distill = stage_dir(compose_config(args), "finetune").inputs["distill"]
+    assert [part.path for part in distill.parts] == [d.path for d in shard_dirs]
+    # the set's hash (the finetune's upstream) is the same whichever shard the finetune's config names
+    assert distill.config_hash == stage_dir(compose_config([*args, "distill.shard=2"]), "finetune").inputs["distill"].config_hash
+    unsharded = compose_config(["recipe=ci", f"paths.runs_dir={runs_dir}", "train.finetune.mode=finetune_only"])
+    with pytest.raises(StageInputError, match=r"pass distill.num_shards=N to read a sharded one: de-en.shards-3"):
+        stage_dir(unsharded, "finetune")
 
 
 def test_duplicate_records_are_refused(tmp_path):
@@ -179,6 +239,25 @@ def test_records_for_every_temperature_and_reruns_reproduce(vllm_server, tmp_pat
 
 
 @pytest.mark.slow
+def test_shards_answer_disjoint_slices_that_finetune_reads_as_the_whole_set(vllm_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", vllm_server.endpoint.api_key)
+    args = overrides(tmp_path, f"distill.server.url={vllm_server.endpoint.url}", SHORT, "data.max_train_prompts=6",
+                     "distill.temperatures=[0.0]", "train.finetune.mode=finetune_only")
+    slices = []
+    for shard in (0, 1):
+        shard_args = [*args, "distill.num_shards=2", f"distill.shard={shard}"]
+        assert main(["distill", *shard_args]) == 0
+        path = stage_path(shard_args)
+        assert (path / "COMPLETE").exists() and path.parent.name == "de-en.shards-2"
+        slices.append({(r["id"], r["temperature"], r["sample"]) for r in all_records(path)})
+        assert json.loads((path / "stats.json").read_text())["shard"]["prompts"] == len(slices[-1])
+    assert slices[0] and slices[1] and not slices[0] & slices[1] and slices[0] | slices[1] == expected_keys(args)
+    distill = stage_dir(compose_config([*args, "distill.num_shards=2"]), "finetune").inputs["distill"]
+    assert {(r["id"], r["temperature"], r["sample"]) for part in distill.parts
+            for r in all_records(part.path)} == expected_keys(args)
+
+
+@pytest.mark.slow
 def test_kill_9_at_random_points_then_rerun_gives_the_exact_record_set(vllm_server, tmp_path):
     args = overrides(tmp_path, f"distill.server.url={vllm_server.endpoint.url}", FOUR, SHORT, "data.max_train_prompts=12")
     env = dict(os.environ, OPENAI_API_KEY=vllm_server.endpoint.api_key)
@@ -200,6 +279,45 @@ def test_kill_9_at_random_points_then_rerun_gives_the_exact_record_set(vllm_serv
     assert len(keys) == len(set(keys)) == 48, f"duplicates or missing records (seed {seed})"
     assert set(keys) == expected_keys(args)
     assert len(list((path / "records").glob("*.jsonl"))) == 4  # a shard per attempt
+
+
+@pytest.mark.slow
+def test_two_replicas_kill_9_mid_run_then_the_rerun_asks_exactly_the_missing_records(tmp_path):
+    """The acceptance of data parallelism and the background writer: the stage's own vLLM with two replicas
+    (--data-parallel-size 2 runs on the CPU build: two engine cores behind one endpoint), the stage killed with
+    SIGKILL after some records: no torn line reads back, the rerun sends exactly one request per missing record
+    (its stats and its server's access log agree) and the final set is every key once."""
+    args = overrides(tmp_path, FOUR, SHORT, "data.max_train_prompts=8", "distill.server.data_parallel=2",
+                     "distill.concurrency_per_replica=4", "distill.server.cpu_kvcache_gb=1")
+    path, expected = stage_path(args), expected_keys(args)
+    process = cli(args)
+    group = wait_for_vllm_worker(path, process)
+    wait_for_records(path, 4, process)
+    process.kill()
+    process.wait()
+    deadline = time.monotonic() + 60
+    while live_members(group) and time.monotonic() < deadline:  # the reaper takes both replicas along
+        time.sleep(0.2)
+    assert not live_members(group)
+    log = (path / "server" / "vllm.log").read_text()
+    assert "'data_parallel_size': 2" in log and "EngineCore_DP1" in log  # two engine cores started
+
+    written = b"".join(shard.read_bytes() for shard in sorted((path / "records").glob("*.jsonl")))
+    complete = [json.loads(line) for line in written.split(b"\n")[:-1]]  # every whole line parses: none torn
+    done = {(r["id"], r["temperature"], r["sample"]) for r in complete}
+    assert len(done) == len(complete) and 4 < len(done) < len(expected), "killed too late to interrupt anything"
+
+    rerun = cli(args)
+    assert rerun.wait(timeout=600) == 0, rerun.stderr.read()
+    stats = json.loads((path / "stats.json").read_text())
+    asked = (path / "server" / "vllm.log").read_text().rsplit("starting vLLM on port", 1)[1].count("POST /v1/completions")
+    assert stats["requests"] == stats["new_records"] == asked == len(expected) - len(done)
+    assert stats["server"] == {"url": None, "dtype": "bfloat16", "data_parallel": 2, "tensor_parallel": 1,
+                               "requests_in_flight": 8}
+    keys = [(r["id"], r["temperature"], r["sample"]) for r in all_records(path)]
+    assert len(keys) == len(set(keys)) and set(keys) == expected
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and manifest["counts"]["served_dtype"] == "bfloat16"
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import pytest
 from pipeline.config import REPO_ROOT, compose_config
 from pipeline.models.provision import ModelNotFoundError
 from pipeline.serving.client import TargetClient, is_transient
-from pipeline.serving.server import ServingError, VLLMServer
+from pipeline.serving.server import ServingError, VLLMServer, data_parallel_size, served_dtype
 
 CACHE = REPO_ROOT / "runs" / "cache"
 
@@ -41,6 +41,23 @@ def test_bad_model_path_is_a_one_line_error_before_vllm_starts(tmp_path, make_fo
 def test_server_refuses_a_folder_without_config(tmp_path):
     with pytest.raises(ModelNotFoundError, match="no config.json"):
         VLLMServer(str(tmp_path), "x", tmp_path / "logs", tmp_path / "cache").start()
+
+
+def test_one_replica_per_visible_gpu_and_the_eval_dtype_by_default(monkeypatch):
+    """data_parallel=auto is the visible GPUs in replicas of tensor_parallel (1 on this CPU), and the target is
+    served in target.dtype unless distill.server.dtype says otherwise: Vicuna ships float16, its recipe's eval
+    measures bfloat16, so it is distilled in bfloat16."""
+    import torch
+
+    cfg = compose_config(["recipe=paper-vicuna"])
+    assert cfg.distill.server.data_parallel == "auto" and data_parallel_size(cfg.distill.server) == 1
+    assert served_dtype(cfg) == cfg.target.dtype == "bfloat16"
+    assert served_dtype(compose_config(["recipe=ci"])) == "bfloat16"  # ci states it: its target config is float32
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    for tensor_parallel, replicas in ((1, 8), (2, 4), (3, 2)):
+        launch = compose_config(["recipe=paper-vicuna", f"distill.server.tensor_parallel={tensor_parallel}"]).distill.server
+        assert data_parallel_size(launch) == replicas
+    assert data_parallel_size(compose_config(["recipe=paper-vicuna", "distill.server.data_parallel=3"]).distill.server) == 3
 
 
 def test_transient_causes_are_those_a_rerun_can_fix():
@@ -71,7 +88,7 @@ def test_client_sends_the_prompt_ids_with_explicit_sampling(vllm_server, smollm_
     tokenizer = load_tokenizer(smollm_path)
     ids = prompt_ids(build_prompt(cfg.target, cfg.lang, "Guten Morgen!", tokenizer), tokenizer)
     client = TargetClient(vllm_server.endpoint, stop=stop_strings(cfg.target), stop_token_ids=[], max_tokens=16,
-                          top_p=0.5, top_k=5, top_logprobs=3, timeout_s=60, max_retries=1, model="smollm2-135m")
+                          top_p=0.5, top_k=5, top_logprobs=3, timeout_s=60, max_retries=1, model="smollm2-135m", connections=1)
 
     async def ask():
         try:
@@ -106,7 +123,7 @@ def test_a_stop_token_ends_the_answer_and_finetuning_trains_on_it(vllm_server, s
 
     def ask(stop_token_ids):
         client = TargetClient(vllm_server.endpoint, stop=[], stop_token_ids=stop_token_ids, max_tokens=8, top_p=1.0,
-                              top_k=0, top_logprobs=0, timeout_s=60, max_retries=1, model="smollm2-135m")
+                              top_k=0, top_logprobs=0, timeout_s=60, max_retries=1, model="smollm2-135m", connections=1)
 
         async def one():
             try:

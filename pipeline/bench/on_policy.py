@@ -160,7 +160,8 @@ def main(out_dir: Path, settings: BenchSettings) -> dict:
     target_path = model_path(cfg.target, cfg.paths.models_dir)
     tokenizer, target = load_tokenizer(target_path), load_model(target_path, cfg.target.dtype)
     sft_model, vocab = load_drafter(str(directory.path / "drafter"), target_path)
-    examples = finetune_examples(read_records(directory.inputs["distill"].path / "records"), tokenizer, tc.max_length)
+    records = [record for part in directory.inputs["distill"].parts for record in read_records(part.path / "records")]
+    examples = finetune_examples(records, tokenizer, tc.max_length)
     held_out = on_policy.HeldOut(target, vocab, greedy_heldout_examples(
         cfg, target, tokenizer, int(os.environ.get("ON_POLICY_HELDOUT", "32")), HELDOUT_TOKENS), tokenizer.pad_token_id)
     stops = on_policy.rollout_stop_ids(stop_condition(cfg.target, tokenizer, target))

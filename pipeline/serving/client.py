@@ -16,6 +16,11 @@ from dataclasses import dataclass
 
 import openai
 
+try:  # the HTTP library under openai: its fork httpx2 from openai 3, httpx before
+    import httpx2 as http
+except ImportError:
+    import httpx as http
+
 from pipeline.serving.server import Endpoint, ServingError
 
 
@@ -51,9 +56,14 @@ class TargetClient:
     """Sends one request of the target's prompt ids with the eval's sampling and returns its completion."""
 
     def __init__(self, endpoint: Endpoint, *, stop: list[str], stop_token_ids: list[int], max_tokens: int,
-                 top_p: float, top_k: int, top_logprobs: int, timeout_s: float, max_retries: int, model: str):
-        self.client = openai.AsyncOpenAI(base_url=endpoint.url, api_key=endpoint.api_key,
-                                         timeout=timeout_s, max_retries=max_retries)
+                 top_p: float, top_k: int, top_logprobs: int, timeout_s: float, max_retries: int, model: str,
+                 connections: int):
+        # a connection per request in flight: openai's default pool (1000) would hold back 8 replicas x 256, and a
+        # request waiting for a connection counts against its timeout
+        pool = http.Limits(max_connections=connections, max_keepalive_connections=connections)
+        self.client = openai.AsyncOpenAI(base_url=endpoint.url, api_key=endpoint.api_key, timeout=timeout_s,
+                                         max_retries=max_retries,
+                                         http_client=openai.DefaultAsyncHttpxClient(limits=pool))
         self.stop, self.stop_token_ids = stop or None, stop_token_ids
         self.max_tokens, self.top_p, self.top_k, self.top_logprobs = max_tokens, top_p, top_k, top_logprobs
         self.model = model

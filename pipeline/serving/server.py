@@ -56,19 +56,31 @@ def check_model_folder(model: str) -> None:
         raise ModelNotFoundError(f"{model} is not a model folder (no config.json); point target.path at an HF folder")
 
 
-def target_server(cfg: DictConfig, folder: str, log_dir: Path, extra_args: list[str] = ()) -> VLLMServer:
-    """The target behind vLLM with ``distill.server``'s launch settings (distillation and the vLLM eval)."""
-    launch = cfg.distill.server
-    tensor_parallel = launch.tensor_parallel
-    data_parallel = launch.data_parallel
-    if data_parallel == "auto":  # every visible GPU: replicas of tensor_parallel GPUs each
-        import torch
+def data_parallel_size(launch: DictConfig) -> int:
+    """``distill.server.data_parallel`` as a replica count: ``auto`` is every visible GPU (CUDA_VISIBLE_DEVICES:
+    what Slurm gave the job) in replicas of ``tensor_parallel`` GPUs, and 1 without a GPU."""
+    if launch.data_parallel != "auto":
+        return launch.data_parallel
+    import torch
 
-        data_parallel = max(torch.cuda.device_count() // tensor_parallel, 1)
+    return max(torch.cuda.device_count() // launch.tensor_parallel, 1)
+
+
+def served_dtype(cfg: DictConfig) -> str:
+    """The dtype our vLLM serves the target in: ``distill.server.dtype``, else ``target.dtype`` (the eval's)."""
+    return cfg.distill.server.dtype or cfg.target.dtype
+
+
+def target_server(cfg: DictConfig, folder: str, log_dir: Path, extra_args: list[str] = (),
+                  replicas: int = 1) -> VLLMServer:
+    """The target behind vLLM with ``distill.server``'s launch settings (distillation and the vLLM eval), as
+    ``replicas`` data-parallel replicas: distillation's ``data_parallel_size``; the vLLM eval times one request
+    at a time, which one replica serves."""
+    launch = cfg.distill.server
     return VLLMServer(folder, cfg.target.name, log_dir, Path(cfg.paths.cache_dir).resolve() / "vllm",
-                      dtype=launch.dtype or cfg.target.dtype, max_model_len=cfg.target.max_model_len,
-                      port=launch.port, cpu_kvcache_gb=launch.cpu_kvcache_gb, tensor_parallel=tensor_parallel,
-                      data_parallel=data_parallel, enforce_eager=launch.enforce_eager,
+                      dtype=served_dtype(cfg), max_model_len=cfg.target.max_model_len,
+                      port=launch.port, cpu_kvcache_gb=launch.cpu_kvcache_gb, tensor_parallel=launch.tensor_parallel,
+                      data_parallel=replicas, enforce_eager=launch.enforce_eager,
                       extra_args=[*launch.extra_args, *extra_args], startup_timeout_s=launch.startup_timeout_s)
 
 

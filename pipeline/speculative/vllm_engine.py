@@ -14,7 +14,8 @@ KV cache into the target's blocks (pipeline/models/export.py: sliding_window_tar
 same held-out prompts (build_prompt, tokenized as the transformers path does, sent as token ids) with
 the same max_new_tokens, stop strings and seeds, one request at a time (batch size 1), after
 eval.warmup warm-up requests; each request is timed around its HTTP call (median of eval.repetitions).
-The servers' launch settings are distill.server's (dtype, parallelism, KV cache, extra_args, start-up timeout).
+The servers' launch settings are distill.server's (dtype, tensor parallelism, KV cache, extra_args, start-up
+timeout), as one replica: a timing of one request at a time.
 
 The speculative server's Prometheus counters (GET /metrics, no key needed), read before and after each
 measured block, give (Δ = after − before):
@@ -70,7 +71,7 @@ from pipeline.models.provision import load_tokenizer, model_path
 from pipeline.models.vocab import TokenizerMismatchError, VocabMap, check_tokenizers
 from pipeline.prompts import prompt_ids, stop_strings, stop_token_ids
 from pipeline.rundir import EXPORT, StageInputError, make_command, stage_dir
-from pipeline.serving.server import ServingError, VLLMServer, target_server
+from pipeline.serving.server import ServingError, VLLMServer, served_dtype, target_server
 from pipeline.speculative.engine import Generation
 from pipeline.speculative.metrics import measure, method_stats, speedup
 from pipeline.stages.export import FOLDER as EXPORT_FOLDER
@@ -234,7 +235,7 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
               for pair in prompts]
 
     measured, version = {}, None
-    gate = GreedyGate(tie_tolerance(cfg.distill.server.dtype or cfg.target.dtype, ev.tie_tolerance))
+    gate = GreedyGate(tie_tolerance(served_dtype(cfg), ev.tie_tolerance))
     # a target with sliding-window layers: the drafter's KV cache in the target's blocks otherwise (sliding_window_target)
     spec_args = ["--speculative-config", json.dumps(spec), *([SINGLE_KV_GROUP] if sliding_window_target(target_path) else [])]
     for method, extra_args in zip(METHODS, ([], spec_args)):

@@ -5,17 +5,25 @@ The target answers every training prompt of the language pair at each temperatur
 OpenAI-compatible server: started here, or an external one at ``distill.server.url``.
 
 Output, in the stage directory:
-    records/attempt-NNN.jsonl  one record per (id, temperature, sample), one shard per run attempt,
-                               appended, flushed and fsynced per record
+    records/attempt-NNN.jsonl  one record per (id, temperature, sample), one file per run attempt, written
+                               by a thread (jsonl.BackgroundJsonl: the event loop never waits on the disk),
+                               flushed as records come, fsynced every second and at exit
     back_translations/         with data.back_translation: the target's translations of target-language
                                segments into the source language, records of the reverse pair, done
                                first; the usable ones are extra training prompts (pipeline/data/back_translation.py)
     failures.jsonl             requests that failed after the client's retries (retried on a rerun)
-    stats.json                 records, tokens, tokens/s, failures by cause
+    stats.json                 records, requests sent, tokens, tokens/s, failures by cause, the server (dtype,
+                               replicas, requests in flight)
     server/vllm.log            the server's log (when started here)
 
-Resume is keyed by (id, temperature, sample): a rerun reads every shard, cuts a line torn by a
-``kill -9`` mid-write, and requests exactly the missing keys.
+The server runs ``distill.server.data_parallel`` replicas (auto: one per visible GPU) behind one endpoint, and
+the stage keeps ``distill.concurrency_per_replica`` requests in flight for each.
+
+Resume is keyed by (id, temperature, sample): a rerun reads every attempt's file, cuts a line torn by a
+``kill -9`` mid-write, and requests exactly the missing keys (records lost with the kill are among them).
+
+Shards (``distill.num_shards=N distill.shard=K``, a Slurm array): job K answers the prompts whose id hashes to
+K modulo N (``shard_of``), into a stage directory of its own; finetune reads the N directories as one set.
 """
 
 from __future__ import annotations
@@ -39,12 +47,13 @@ from tqdm import tqdm
 from pipeline.data import back_translation
 from pipeline.data.sources import Example, load_sources
 from pipeline.durable import write_atomic
-from pipeline.jsonl import AppendOnlyJsonl, read_jsonl
+from pipeline.jsonl import BackgroundJsonl, read_jsonl
 from pipeline.models.provision import CHECKSUMS, load_tokenizer, model_path
 from pipeline.prompts import build_prompt, prompt_ids, stop_strings, stop_token_ids
-from pipeline.rundir import StageDir, make_command
+from pipeline.rundir import StageDir, make_command, shard_args
 from pipeline.serving.client import TargetClient, failure_cause, is_transient
-from pipeline.serving.server import Endpoint, ServingError, VLLMServer, check_model_folder, target_server
+from pipeline.serving.server import (Endpoint, ServingError, VLLMServer, check_model_folder, data_parallel_size,
+                                     served_dtype, target_server)
 from pipeline.tracking import Tracker
 from pipeline.training.loop import EXIT_PREEMPTED
 
@@ -77,6 +86,12 @@ def load_records(records_dir: Path) -> dict[Key, dict]:
     return records
 
 
+def shard_of(example_id: str, num_shards: int) -> int:
+    """The shard that answers a prompt: by a hash of its id, so the shards are disjoint, cover every prompt, and
+    do not depend on the prompts' order or number."""
+    return int.from_bytes(hashlib.sha256(example_id.encode()).digest()[:8], "big") % num_shards
+
+
 def request_seed(base_seed: int, key: Key) -> int:
     """A per-request seed, so a rerun (or a resumed run) samples the same answer, batching noise aside."""
     digest = hashlib.sha256(f"{base_seed}:{key[0]}:{key[1]}:{key[2]}".encode()).digest()
@@ -104,15 +119,16 @@ class RunStats:
     records: int = 0
     completion_tokens: int = 0
     prompt_tokens: int = 0
+    requests: int = 0  # sent to the server (its client's retries aside)
     failures: Counter = field(default_factory=Counter)
     consecutive_transient: int = 0
     aborted: str | None = None
 
 
-async def distill(jobs: list[Job], client: TargetClient, out: AppendOnlyJsonl, failures: AppendOnlyJsonl,
-                  cfg: DictConfig, revision: str | None, server: VLLMServer | None, progress: tqdm,
+async def distill(jobs: list[Job], client: TargetClient, out: BackgroundJsonl, failures: BackgroundJsonl,
+                  cfg: DictConfig, revision: str | None, server: VLLMServer | None, concurrency: int, progress: tqdm,
                   tracker: Tracker, metric: str = "distill") -> RunStats:
-    """Runs the jobs with ``distill.concurrency`` requests in flight; stops early when the server is gone.
+    """Runs the jobs with ``concurrency`` requests in flight; stops early when the server is gone.
 
     Progress goes to the tracker as ``<metric>/records`` and ``<metric>/tokens_per_s``."""
     stats = RunStats()
@@ -125,6 +141,7 @@ async def distill(jobs: list[Job], client: TargetClient, out: AppendOnlyJsonl, f
             job = queue.pop()
             example_id, temperature, sample = job.key
             seed = request_seed(cfg.distill.seed, job.key)
+            stats.requests += 1
             try:
                 completion = await client.complete(job.prompt_ids, temperature, seed)
             except Exception as exc:  # the client already retried what can be retried
@@ -136,7 +153,7 @@ async def distill(jobs: list[Job], client: TargetClient, out: AppendOnlyJsonl, f
                     stats.consecutive_transient += 1
                     if server is not None and server.exit_code() is not None:
                         stats.aborted = f"the vLLM server died (exit code {server.exit_code()}; log: {server.log_path})"
-                    elif stats.consecutive_transient >= cfg.distill.concurrency:
+                    elif stats.consecutive_transient >= concurrency:
                         stats.aborted = f"{stats.consecutive_transient} requests in a row failed ({cause})"
                 continue
             stats.consecutive_transient = 0
@@ -163,16 +180,16 @@ async def distill(jobs: list[Job], client: TargetClient, out: AppendOnlyJsonl, f
                 # no explicit step: the back-translation pass logs first, and wandb steps must only grow
                 tracker.log({f"{metric}/records": progress.n, f"{metric}/tokens_per_s": tokens_per_s})
 
-    await asyncio.gather(*(worker() for _ in range(cfg.distill.concurrency)))
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
     await client.close()
     return stats
 
 
-def serve(cfg: DictConfig, folder: str, stage_path: Path):
+def serve(cfg: DictConfig, folder: str, stage_path: Path, replicas: int):
     """The local vLLM server as a context manager, or nothing when an external endpoint is configured."""
     if cfg.distill.server.url:
         return nullcontext(None)
-    return target_server(cfg, folder, stage_path / SERVER_DIR)
+    return target_server(cfg, folder, stage_path / SERVER_DIR, replicas=replicas)
 
 
 def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
@@ -183,8 +200,8 @@ def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
 @contextlib.contextmanager
 def stop_on_preemption(path: Path):
     """SIGTERM/SIGUSR1 (Slurm's preemption and warning) end the stage with exit 75, as training and eval do: the
-    requests in flight are cancelled, the server is stopped, and every record already written stays (each is
-    durable when appended), so the same command asks only the rest."""
+    requests in flight are cancelled, the records already answered are written and fsynced, the server is
+    stopped, and the same command asks only the rest."""
     def stop(signum, frame):
         print(f"distill: stopped by signal {signum}; the finished records are in {path / RECORDS_DIR}: run the "
               "same command again to ask the rest", file=sys.stderr, flush=True)
@@ -223,6 +240,9 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
     tokenizer = load_tokenizer(folder)
     stop_ids = stop_token_ids(cfg.target, tokenizer)
     train, heldout = load_sources(cfg)  # held-out prompts are never distilled
+    num_shards, shard = cfg.distill.num_shards, cfg.distill.shard
+    if num_shards > 1:  # this job's slice of the training prompts
+        train = [ex for ex in train if shard_of(ex.id, num_shards) == shard]
     records_dir, reverse_dir = path / RECORDS_DIR, path / BACK_TRANSLATIONS_DIR
     records_dir.mkdir(exist_ok=True)
     if (path / FAILURES_FILE).exists():
@@ -245,7 +265,8 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
                                  cfg.distill.temperatures), rejected)
 
     examples, keys, jobs, _ = training_jobs()
-    print(f"distill {cfg.lang.pair}: {len(train)} prompts" +
+    print(f"distill {cfg.lang.pair}" + (f" shard {shard} of {num_shards}" if num_shards > 1 else "") +
+          f": {len(train)} prompts" +
           (f" + back-translations of {len(reverse_keys)} {cfg.lang.tgt_name} segments ({len(reverse_jobs)} to do)"
            if reverse_keys else "") +
           f" x {len(cfg.distill.temperatures)} temperatures x {cfg.distill.samples_per_prompt} samples, "
@@ -253,25 +274,31 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
 
     stats, reverse_stats = RunStats(), RunStats()
     elapsed = 0.0
+    launch = cfg.distill.server
+    # an external endpoint's replicas are the user's to state (data_parallel=N): auto counts this machine's GPUs
+    replicas = 1 if launch.url and launch.data_parallel == "auto" else data_parallel_size(launch)
+    concurrency = cfg.distill.concurrency_per_replica * replicas
     if jobs or reverse_jobs:
-        out = AppendOnlyJsonl(records_dir / f"attempt-{len(list(records_dir.glob('*.jsonl'))):03d}.jsonl")
-        reverse_out = AppendOnlyJsonl(reverse_dir / f"attempt-{len(list(reverse_dir.glob('*.jsonl'))):03d}.jsonl")
-        failures = AppendOnlyJsonl(path / FAILURES_FILE)
+        out = BackgroundJsonl(records_dir / f"attempt-{len(list(records_dir.glob('*.jsonl'))):03d}.jsonl")
+        reverse_out = BackgroundJsonl(reverse_dir / f"attempt-{len(list(reverse_dir.glob('*.jsonl'))):03d}.jsonl")
+        failures = BackgroundJsonl(path / FAILURES_FILE)
         revision = model_revision(cfg.target, folder)
         try:
-            with serve(cfg, folder, path) as server:
+            with serve(cfg, folder, path, replicas) as server:
                 endpoint = server.endpoint if server else Endpoint(
                     url=cfg.distill.server.url,
                     # from the environment only: a config is written to disk, wandb and the launch files
                     api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"))
+                print(f"distill: {concurrency} requests in flight over {replicas} server replica(s)", flush=True)
 
-                def run_jobs(jobs: list[Job], out: AppendOnlyJsonl, progress: tqdm, metric: str) -> RunStats:
+                def run_jobs(jobs: list[Job], out: BackgroundJsonl, progress: tqdm, metric: str) -> RunStats:
                     client = TargetClient(endpoint, stop=stop_strings(cfg.target), stop_token_ids=stop_ids,
                                           max_tokens=cfg.distill.max_tokens, top_p=cfg.eval.top_p, top_k=cfg.eval.top_k,
                                           top_logprobs=cfg.distill.top_logprobs, timeout_s=cfg.distill.request_timeout_s,
-                                          max_retries=cfg.distill.max_retries, model=cfg.target.name)
-                    return asyncio.run(distill(jobs, client, out, failures, cfg, revision, server, progress, tracker,
-                                               metric))
+                                          max_retries=cfg.distill.max_retries, model=cfg.target.name,
+                                          connections=concurrency)
+                    return asyncio.run(distill(jobs, client, out, failures, cfg, revision, server, concurrency,
+                                               progress, tracker, metric))
 
                 started = time.monotonic()
                 if reverse_jobs:
@@ -284,10 +311,9 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
                               unit="rec") as progress:
                         stats = run_jobs(jobs, out, progress, "distill")
                 elapsed = time.monotonic() - started
-        finally:
-            out.close()
-            reverse_out.close()
-            failures.close()
+        finally:  # every answered record onto the disk, also when a signal or an error ends the run
+            for writer in (out, reverse_out, failures):
+                writer.close()
 
     done = load_records(records_dir)
     examples, keys, _, rejected = training_jobs()
@@ -298,19 +324,26 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
         "records": len(done),
         "expected_records": len(keys),
         "new_records": stats.records,
+        "requests": stats.requests + reverse_stats.requests,
         "completion_tokens": sum(r["completion_tokens"] for r in done.values()),
         "new_completion_tokens": stats.completion_tokens,
         "tokens_per_s": round(new_tokens / elapsed, 1) if elapsed else None,
         "generation_time_s": round(elapsed, 1),
         "failures": dict(failed),
+        # what answered: the dtype our vLLM serves (an external endpoint's own is unknown here)
+        "server": {"url": launch.url, "dtype": None if launch.url else served_dtype(cfg), "data_parallel": replicas,
+                   "tensor_parallel": launch.tensor_parallel, "requests_in_flight": concurrency},
     }
+    if num_shards > 1:
+        summary["shard"] = {"shard": shard, "num_shards": num_shards, "prompts": len(train)}
     if reverse_keys:
         summary["back_translation"] = {
             "segments": len(reverse_keys), "answered": len(reverse_done), "prompts_added": len(examples) - len(train),
             "rejected": dict(rejected), "completion_tokens": sum(r["completion_tokens"] for r in reverse_done.values()),
         }
     write_atomic(path / STATS_FILE, json.dumps(summary, indent=2) + "\n")
-    tracker.summary({f"distill/{k}": v for k, v in summary.items() if k not in ("failures", "back_translation")} |
+    nested = ("failures", "back_translation", "server", "shard")
+    tracker.summary({f"distill/{k}": v for k, v in summary.items() if k not in nested} |
                     {f"back_translation/{k}": v for k, v in summary.get("back_translation", {}).items() if k != "rejected"})
     print(f"distill {cfg.lang.pair}: {len(done)}/{len(keys)} records ({stats.records} new, "
           f"{new_tokens} tokens at {summary['tokens_per_s'] or 0:.0f} tok/s), "
@@ -325,14 +358,15 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
     if stats.aborted or reverse_stats.aborted or transient:
         reason = stats.aborted or reverse_stats.aborted or f"{sum(transient.values())} requests failed ({', '.join(transient)})"
         raise DistillIncompleteError(f"{reason}; {missing} records missing "
-                                     f"(see {path / FAILURES_FILE}); rerun `{make_command(cfg, 'distill')}` to resume")
+                                     f"(see {path / FAILURES_FILE}); rerun `{make_command(cfg, 'distill', shard_args(cfg))}` "
+                                     "to resume")
     expected = len(keys) + len(reverse_keys)
     if missing > cfg.distill.max_failed_share * expected:
         causes = ", ".join(f"{cause} ×{n}" for cause, n in failed.items())
         raise DistillIncompleteError(
             f"{missing} of {expected} records missing after requests the server rejected ({causes}), more than "
             f"distill.max_failed_share={cfg.distill.max_failed_share:g}: see why in {path / FAILURES_FILE}, fix it and "
-            f"rerun `{make_command(cfg, 'distill')}` (it asks only the missing ones), or allow the gap with "
+            f"rerun `{make_command(cfg, 'distill', shard_args(cfg))}` (it asks only the missing ones), or allow the gap with "
             f"distill.max_failed_share")
     return {"records": len(done), "completion_tokens": summary["completion_tokens"],
-            "failed_requests": len(keys) - len(done)}
+            "failed_requests": len(keys) - len(done), "served_dtype": summary["server"]["dtype"]}
