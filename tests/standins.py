@@ -6,6 +6,10 @@
   chat template too, Llama-2-chat's template and generation config (top_p 0.9). ``vicuna``: the same tokenizer
   without a template (the recipe's config carries the paper's format). ``gemma``: ``<bos>``/``<eos>``/``<pad>``,
   ``<start_of_turn>``/``<end_of_turn>``, gemma-7b-it's template (BOS inside).
+- ``drafter_start(family_folder, folder)``: random weights of the paper's Llama-68M drafter shape on a family's
+  tokenizer: what ``drafter.init_from`` (paper-vicuna: double7/vicuna-68m) starts from in a dry run.
+- ``serve_hub({repo_id: folder})``: a stand-in of the hub's model API on a local port (HF_ENDPOINT): repo info,
+  file tree and file downloads, so `make prepare` downloads a hub target through huggingface_hub's own calls.
 - ``datasets_root(folder)``: local datasets in the hub's schemas, read through the same ``datasets`` calls:
   ``wmt16`` (``translation: {de, en}``, one config per pair, train/validation/test parquet), ``wmt19``
   (zh-en, train and validation only), ``c4`` (config ``en``, JSON lines {text, timestamp, url} gzipped), and
@@ -14,8 +18,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import hashlib
 import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 LLAMA2_CHAT_TEMPLATE = (  # meta-llama/Llama-2-7b-chat-hf's tokenizer_config.json
@@ -106,6 +115,73 @@ def family_source(family: str, folder: Path) -> Path:
     tokenizer.save_pretrained(folder)
     config.save_pretrained(folder)
     return folder
+
+
+def drafter_start(family_folder: Path, folder: Path) -> Path:
+    """A folder of the vicuna-68m shape (conf/drafter/vicuna-68m.yaml) with ``family_folder``'s tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(family_folder)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=768, intermediate_size=3072, num_hidden_layers=2,
+                         num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@contextlib.contextmanager
+def serve_hub(repos: dict[str, Path]) -> Iterator[str]:
+    """Serve each folder as the model repo ``repo_id`` at one commit (its files' hash); yields the endpoint URL.
+    Answers what huggingface_hub's snapshot_download and model_info ask: repo info, the file tree, file downloads."""
+    files = {repo: {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+             for repo, folder in repos.items()}
+    commits = {repo: hashlib.sha1(b"".join(name.encode() + data for name, data in repo_files.items())).hexdigest()
+               for repo, repo_files in files.items()}
+
+    class Hub(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+            self.send_response(status)
+            for key, value in {"Content-Length": str(len(body)), **(headers or {})}.items():
+                self.send_header(key, value)
+            self.end_headers()
+            if self.command == "GET":
+                self.wfile.write(body)
+
+        def _json(self, value) -> None:
+            self._send(200, json.dumps(value).encode(), {"Content-Type": "application/json"})
+
+        def _answer(self) -> None:
+            path = self.path.split("?")[0]
+            for repo, repo_files in files.items():
+                if path == f"/api/models/{repo}" or path.startswith(f"/api/models/{repo}/revision/"):
+                    return self._json({"id": repo, "sha": commits[repo], "siblings": [{"rfilename": f} for f in repo_files]})
+                if path.startswith(f"/api/models/{repo}/tree/"):
+                    return self._json([{"type": "file", "path": name, "size": len(data),
+                                        "oid": hashlib.sha1(data).hexdigest()} for name, data in repo_files.items()])
+                if path.startswith(f"/{repo}/resolve/"):
+                    name = path.split("/", 5)[5]  # /org/name/resolve/<revision>/<file>
+                    if name in repo_files:
+                        data = repo_files[name]
+                        return self._send(200, data, {"X-Repo-Commit": commits[repo],
+                                                      "ETag": f'"{hashlib.sha1(data).hexdigest()}"'})
+            self._send(404, b'{"error": "not found"}', {"X-Error-Code": "RepoNotFound"})
+
+        do_GET = do_HEAD = _answer
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def _dataset_card(folder: Path, configs: dict[str, dict[str, str]]) -> None:

