@@ -1,14 +1,17 @@
 """What the paper recipes' data paths need and the offline ones never exercise: JParaCrawl's five-column TSV
-read lazily, and a tokenizer without a pad token (Llama-2). The hub datasets' cases (wmt19 zh-en without a
+read lazily, a tokenizer without a pad token (Llama-2), and C4 driving a pretraining token budget. The hub datasets' cases (wmt19 zh-en without a
 test split) run on local stand-ins in tests/test_paper_dry_run.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from standins import datasets_root, family_source  # tests/standins.py
+from transformers import AutoTokenizer
 
 from pipeline.config import ConfigError, compose_config
 from pipeline.data.sources import load_sources
+from pipeline.training import data
 from pipeline.training.data import IGNORE, Collator
 
 JPARACRAWL = [  # domain, domain, score, English, Japanese (as NTT distributes en-ja)
@@ -49,3 +52,39 @@ def test_collator_pads_a_tokenizer_without_a_pad_token():
     assert batch["input_ids"].tolist() == [[1, 5, 6], [1, 7, 0]]
     assert batch["labels"][1, 2] == IGNORE and batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
     assert batch["input_ids"].dtype == torch.long
+
+
+def short_sharegpt(count: int):
+    """A ShareGPT of ``count`` short conversations (the package's has 17,671), as iter_conversations yields them."""
+    def conversations(limit=None):
+        rows = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Question number {i}?"},
+                                                  {"from": "gpt", "value": f"Answer number {i}."}]} for i in range(count)]
+        return iter(rows[:limit])
+    return conversations
+
+
+def test_pretraining_reads_its_token_budget_mixed_by_tokens_and_c4_goes_on_after_sharegpt(tmp_path, monkeypatch):
+    """The paper recipes' corpora, C4 (a local stand-in in the hub's layout) and ShareGPT at 0.5/0.5: while both last
+    their token counts stay within a document of each other; once ShareGPT is exhausted C4 alone fills the budget
+    (ShareGPT not recycled), and the budget is read exactly. Training processes only read the cache."""
+    monkeypatch.setattr(data, "iter_conversations", short_sharegpt(6))
+    tokenizer = AutoTokenizer.from_pretrained(family_source("llama2", tmp_path / "llama2"))
+    c4 = datasets_root(tmp_path / "data")["c4"]
+    overrides = ["recipe=paper-llama2", f"paths.cache_dir={tmp_path / 'cache'}", f"data.pretrain_corpora.0.hub_dataset={c4}"]
+    cfg = compose_config(overrides)
+    assert [c.name for c in cfg.data.pretrain_corpora] == ["c4", "sharegpt"]
+    with pytest.raises(FileNotFoundError, match="run `specdraft pretrain`"):
+        data.read_pretrain_tokens(cfg, tokenizer, 3000)  # a worker never tokenizes
+
+    short = data.write_pretrain_tokens(cfg, tokenizer, 200)
+    longest = max(len(d) for d in data.tokenized_documents(data.corpus_documents(cfg.data.pretrain_corpora[0], None), tokenizer))
+    assert short["tokens"] == 200 and not any(c["exhausted"] for c in short["corpora"].values())
+    assert abs(short["corpora"]["c4"]["tokens"] - short["corpora"]["sharegpt"]["tokens"]) <= longest
+
+    read = data.write_pretrain_tokens(cfg, tokenizer, 3000)
+    sharegpt, c4_read = read["corpora"]["sharegpt"], read["corpora"]["c4"]
+    assert read["tokens"] == 3000 and sharegpt["exhausted"] and sharegpt["documents"] == 6
+    assert not c4_read["exhausted"] and c4_read["tokens"] >= 3000 - sharegpt["tokens"] > 5 * sharegpt["tokens"]
+    tokens, starts = data.read_pretrain_tokens(cfg, tokenizer, 3000)
+    assert len(tokens) == 3000 and len(starts) == read["documents"] == sharegpt["documents"] + c4_read["documents"]
+    assert data.write_pretrain_tokens(cfg, tokenizer, 3000) == read  # cached: read once per key

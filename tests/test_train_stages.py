@@ -319,26 +319,65 @@ def test_finetune_with_a_kd_loss_on_the_targets_top_k(distilled, smollm_path):
     assert len(curve) == 20 and sum(curve[-3:]) / 3 < curve[0] - 0.3, curve  # as pretraining's: over the run
 
 
-def test_drafter_with_another_tokenizer_is_refused_before_any_compute(gemma_path, tmp_path, capsys):
-    args = overrides(tmp_path, "drafter.source=local", f"drafter.path={gemma_path}", "drafter.name=gemma-as-drafter")
+@pytest.mark.parametrize("launch", [[], TWO_PROCESSES])
+def test_drafter_with_another_tokenizer_is_refused_before_any_compute(gemma_path, tmp_path, capsys, launch):
+    """The stage's own process checks, before it tokenizes anything or starts a training process."""
+    args = overrides(tmp_path, "drafter.source=local", f"drafter.path={gemma_path}", "drafter.name=gemma-as-drafter", *launch)
     assert cli(["pretrain", *args]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("error: gemma-as-drafter's tokenizer is not the target's") and "\n" not in error
     assert not (tmp_path / "cache").exists()  # no data was tokenized
+    assert not (stage_dir(compose_config(args), "pretrain").path / "worker-errors").exists()  # no worker started
 
 
-def test_user_error_inside_an_accelerate_worker_ends_the_stage_in_one_line(gemma_path, tmp_path, capsys):
-    """The compatibility gate fails in both gloo workers; the stage raises their error, as one process would."""
-    args = overrides(tmp_path, "drafter.source=local", f"drafter.path={gemma_path}", "drafter.name=gemma-as-drafter",
-                     *TWO_PROCESSES)
+def test_user_error_inside_an_accelerate_worker_ends_the_stage_in_one_line(tmp_path, capsys, monkeypatch):
+    """Workers only read the data the stage tokenized: started without it (as a worker alone would be), both gloo
+    workers fail in one line each, and the stage raises their error, as one process would."""
+    from pipeline.stages import pretrain
+
+    monkeypatch.setattr(pretrain, "write_pretrain_tokens", lambda cfg, tokenizer, max_tokens: {"corpora": {}})
+    args = overrides(tmp_path, *TWO_PROCESSES)
     assert cli(["pretrain", *args]) == 2
     error = capsys.readouterr().err.strip()
-    assert error.startswith("error: gemma-as-drafter's tokenizer is not the target's") and "\n" not in error
+    assert error.startswith("error: ") and "holds no tokenized pretraining data" in error and "\n" not in error
     path = stage_dir(compose_config(args), "pretrain").path
     # Raised in the workers (the first to fail may take the other down before it gets as far).
     reports = [json.loads(p.read_text()) for p in (path / "worker-errors").glob("rank-*.json")]
-    assert reports and all(r["user_error"] and r["type"].endswith("TokenizerMismatchError") for r in reports)
+    assert reports and all(r["user_error"] and r["type"].endswith("FileNotFoundError") for r in reports)
     assert not (path / MARKER).exists()
+
+
+def test_pretrain_reads_its_token_budget_with_c4_going_on_after_sharegpt(tmp_path, monkeypatch):
+    """The acceptance of issue 27: a token budget over C4 (a local stand-in) and a ShareGPT that runs out first."""
+    from standins import datasets_root
+    from test_paper_data import short_sharegpt
+
+    from pipeline.training import data
+
+    monkeypatch.setattr(data, "iter_conversations", short_sharegpt(4))
+    c4 = datasets_root(tmp_path / "data")["c4"]
+    corpora = f"[{{name:c4,weight:0.5,hub_dataset:'{c4}',hub_subset:en}},{{name:sharegpt,weight:0.5}}]"
+    args = overrides(tmp_path, f"data.pretrain_corpora={corpora}", "train.pretrain.token_budget=2560",
+                     "train.pretrain.max_steps=null")
+    assert cli(["pretrain", *args]) == 0
+    counts = json.loads((stage_dir(compose_config(args), "pretrain").path / "manifest.json").read_text())["counts"]
+    assert counts["tokens"] == 2560 and counts["steps"] == 2560 // (4 * 128)  # the budget, read and trained on
+    assert counts["corpora"]["sharegpt"]["exhausted"] and counts["corpora"]["sharegpt"]["documents"] == 4
+    assert not counts["corpora"]["c4"]["exhausted"] and counts["corpora"]["c4"]["tokens"] > 2560 / 2
+
+
+def test_packed_finetune_trains_on_the_same_examples(distilled):
+    unpacked_args = overrides(distilled, *PRETRAIN, "train.finetune.log_every=1")  # test_finetune_from_pretrain's
+    assert cli(["finetune", *unpacked_args]) == 0  # done already when that test ran
+    args = overrides(distilled, "run=packed", "train.finetune.pack=true", "train.finetune.log_every=1")
+    assert cli(["finetune", *args]) == 0
+    path = stage_dir(compose_config(args), "finetune").path
+    counts = json.loads((path / "manifest.json").read_text())["counts"]
+    assert counts["records"] == 16 and counts["steps"] == 20
+    curve = losses(path)
+    assert len(curve) == 20 and sum(curve[-3:]) / 3 < curve[0] - 0.3, curve
+    unpacked = losses(stage_dir(compose_config(unpacked_args), "finetune").path)
+    assert curve == pytest.approx(unpacked, rel=1e-3)  # the same examples per step, rows packed
 
 
 def test_finetune_with_on_policy_alignment_after_sft(distilled):

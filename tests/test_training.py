@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import warnings
 
 import numpy as np
 import pytest
@@ -254,8 +255,118 @@ def test_num_processes_auto_is_every_local_gpu_and_must_split_the_batch(monkeypa
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     monkeypatch.delenv("SLURM_NNODES")
     with pytest.raises(ConfigError, match=r"num_processes=auto found 3 process\(es\), which do not split "
-                                          r"train.finetune.batch_size=32"):
+                                          r"train.finetune.batch_size=128"):
         processes(cfg, "finetune")
     assert processes(compose_config(["recipe=ci"]), "finetune") == 1  # a number stays that number
     with pytest.raises(ConfigError, match="num_processes must be a positive integer or auto, not many"):
         compose_config(["recipe=ci", "train.finetune.num_processes=many"])
+
+
+def prompted_examples(lengths: list[int], seed: int = 0) -> list[dict]:
+    """Examples of these lengths whose first half is an unlabelled prompt."""
+    rng = np.random.default_rng(seed)
+    examples = []
+    for n in lengths:
+        ids = rng.integers(1, VOCAB, n)
+        labels = ids.copy()
+        labels[: n // 2] = IGNORE
+        examples.append({"input_ids": ids, "labels": labels})
+    return examples
+
+
+def tiny_gemma(seed: int = 0):
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    torch.manual_seed(seed)
+    return GemmaForCausalLM(GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                        max_position_embeddings=64, pad_token_id=0))
+
+
+@pytest.mark.parametrize("architecture", [tiny_model, tiny_gemma])  # the paper drafters' model classes
+def test_packed_batch_has_the_losses_of_its_examples_run_one_by_one(architecture):
+    """Block-diagonal attention and positions from 0 per example: no example sees another, on SDPA as built."""
+    model = architecture().eval()
+    examples = prompted_examples([9, 5, 12, 7, 3, 10])
+    objective = loop.supervised_objective(Loss.ce)
+    packed = Collator(0, None, pack_length=16)(examples)
+    assert packed["input_ids"].shape[0] < len(examples) and "segment_ids" in packed  # several examples per row
+    with torch.no_grad():
+        loss, labelled, inputs = objective(model, packed, 0)
+        alone = [objective(model, Collator(0, None)([example]), 0) for example in examples]
+    assert loss.item() == pytest.approx(sum(a[0].item() for a in alone), rel=1e-5)
+    assert labelled.item() == sum(a[1].item() for a in alone) and inputs.item() == sum(len(e["input_ids"]) for e in examples)
+    # and the unpacked, right-padded batch (no mask: causal attention never reaches a later pad) agrees too
+    with torch.no_grad():
+        padded = objective(model, Collator(0, None)(examples), 0)
+    assert padded[0].item() == pytest.approx(loss.item(), rel=1e-5)
+
+
+def test_packed_training_matches_unpacked_training(tmp_path):
+    """The same examples per step, so the same losses, packed or not."""
+    examples = prompted_examples([9, 5, 12, 7, 3, 10, 6, 8] * 2)
+    runs = {}
+    for packed in (False, True):
+        out_dir = tmp_path / str(packed)
+        out_dir.mkdir()
+        collate = Collator(0, None, pack_length=16 if packed else None)
+        loop.train(train_config(max_steps=4), tiny_model(), examples, collate, out_dir, MetricsLog(out_dir / "m.jsonl"), 0)
+        runs[packed] = [row["loss"] for _, row in sorted(read_metrics(out_dir).items())]
+    assert runs[True] == pytest.approx(runs[False], rel=1e-4)
+
+
+def test_a_training_step_never_reads_the_device_on_the_host(tmp_path, monkeypatch):
+    """Host reads of tensors (.item, .tolist, .nonzero, bool(...)) would each make a CUDA host wait for the GPU:
+    the loop makes them only on logged or checkpointed steps, so twice the steps make no more of them. (The
+    collator's are on host tensors, before the copy to the device.)"""
+    import sys
+
+    reads = []
+    for name in ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, __original=original, __name=name, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if not caller.endswith(("pipeline/training/data.py", "torch/utils/data/_utils/collate.py")):
+                reads.append((__name, caller))
+            return __original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    counts, device_syncs = {}, {}
+    for steps in (3, 6):
+        reads.clear()
+        out_dir = tmp_path / str(steps)
+        out_dir.mkdir()
+        tc = train_config(max_steps=steps, log_every=1000, grad_accum=2, batch_size=8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if torch.cuda.is_available():  # on a GPU, torch itself reports every synchronising call
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                # one epoch (its permutation is drawn and read on the host once): 8 examples per step, 48 of 64
+                loop.train(tc, tiny_model(), prompted_examples([9, 5, 12, 7] * 16), Collator(0, None, pack_length=16),
+                           out_dir, MetricsLog(out_dir / "m.jsonl"), 0)
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.set_sync_debug_mode("default")
+        counts[steps] = list(reads)
+        device_syncs[steps] = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(counts[6]) == len(counts[3]), sorted(set(counts[6]) - set(counts[3]))
+    assert len(device_syncs[6]) == len(device_syncs[3]), device_syncs[6]
+
+
+@pytest.mark.slow
+def test_init_from_starts_the_drafters_shape_from_published_weights(smollm_path, tmp_path):
+    from pipeline.models.drafter import build_drafter, save_drafter
+
+    cfg = compose_config(["recipe=ci"])
+    start, _ = build_drafter(cfg.drafter, smollm_path, None, seed=1)
+    save_drafter(start, smollm_path, None, tmp_path / "start")
+    drafter = OmegaConf.merge(cfg.drafter, {"init_from": str(tmp_path / "start")})
+    model, vocab = build_drafter(drafter, smollm_path, None, seed=0)
+    assert vocab is None and all(torch.equal(model.state_dict()[k], v) for k, v in start.state_dict().items())
+    with pytest.raises(ConfigError, match=r"^drafter.init_from \S+ is not the shape of drafter tiny-ci: hidden_size 64 "
+                                          r"\(not 128\); start from a checkpoint of that shape"):
+        build_drafter(OmegaConf.merge(drafter, {"hidden_size": 128}), smollm_path, None, 0)
+    with pytest.raises(ConfigError, match="drafter.init_from starts a source=init drafter of the full vocabulary"):
+        compose_config(["recipe=ci", f"drafter.init_from={tmp_path / 'start'}", "drafter.reduced_vocab=512"])

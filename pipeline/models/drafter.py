@@ -2,9 +2,11 @@
 
 A drafter is a plain HF causal LM. ``source=init`` builds one with random weights from the
 architecture fields (vocabulary, BOS/EOS/PAD ids from the target, or the reduced vocabulary of a
-``VocabMap``); ``source=hub|local`` loads published weights (e.g. JackFram/llama-68m). Every drafter
-passes ``check_drafter`` — same tokenizer as the target, and a vocabulary of the target's padded
-size (or of its vocab map) — before any compute.
+``VocabMap``), or with ``init_from`` starts that shape from published weights (the authors'
+double7/vicuna-68m), refusing a checkpoint of another shape; ``source=hub|local`` loads published
+weights as they are (e.g. JackFram/llama-68m). Every drafter passes ``check_drafter`` — same
+tokenizer as the target, and a vocabulary of the target's padded size (or of its vocab map) — before
+any compute.
 
 A finished drafter folder holds the weights (``save_pretrained``), the target's tokenizer and, for a
 reduced vocabulary, ``vocab_map.json``: loadable by ``AutoModelForCausalLM`` and, full-vocab, usable
@@ -141,11 +143,36 @@ def load_drafter(path: str, target_path: str, name: str = "drafter",
     return model, vocab.to(device) if vocab is not None else None
 
 
+def published_weights(drafter: DictConfig) -> str | None:
+    """The hub id or folder the drafter's weights come from (``source=hub|local``, or ``init_from``); None: random init."""
+    return drafter.path if drafter.source != ModelSource.init else drafter.init_from
+
+
+def start_from(drafter: DictConfig, target_path: str) -> tuple[PreTrainedModel, VocabMap | None]:
+    """The configured drafter shape with ``drafter.init_from``'s weights (e.g. double7/vicuna-68m), after the
+    compatibility gate; a checkpoint of another shape is refused in one line."""
+    model, vocab = load_drafter(drafter.init_from, target_path, f"drafter.init_from {drafter.init_from}")
+    config = model.config
+    expected = {"model_type": drafter.architecture, "hidden_size": drafter.hidden_size,
+                "num_hidden_layers": drafter.num_layers, "num_attention_heads": drafter.num_heads,
+                "num_key_value_heads": drafter.num_kv_heads or drafter.num_heads,
+                "intermediate_size": drafter.intermediate_size, "tie_word_embeddings": drafter.tie_word_embeddings}
+    if wrong := [f"{key} {getattr(config, key, None)} (not {value})" for key, value in expected.items()
+                 if getattr(config, key, None) != value]:
+        raise ConfigError(f"drafter.init_from {drafter.init_from} is not the shape of drafter {drafter.name}: "
+                          f"{', '.join(wrong)}; start from a checkpoint of that shape or choose a drafter config "
+                          "that matches it")
+    return model, vocab
+
+
 def build_drafter(
     drafter: DictConfig, target_path: str, vocab: VocabMap | None, seed: int
 ) -> tuple[PreTrainedModel, VocabMap | None]:
-    """The drafter the config asks for: random init (with ``vocab``), or published hub/local weights."""
+    """The drafter the config asks for: random init (with ``vocab``), ``init_from``'s weights, or published
+    hub/local weights."""
     if drafter.source == ModelSource.init:
+        if drafter.init_from is not None:
+            return start_from(drafter, target_path)
         return init_drafter(drafter, target_path, vocab, seed), vocab
     if drafter.reduced_vocab is not None:
         raise ConfigError(f"drafter.reduced_vocab needs drafter.source=init; {drafter.path} brings its own vocabulary")

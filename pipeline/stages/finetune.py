@@ -10,7 +10,10 @@ random init, with a reduced vocabulary counted on the finetuning data.
 ``data_fraction`` < 1 trains on that share of the prompts (nested: ``make scaling``).
 ``on_policy.enabled=true`` adds the on-policy alignment after SFT (pipeline/training/on_policy.py): the
 drafter's own rollouts, scored by the target; ``on_policy.heldout_prompts`` prompts are then held out of
-both phases for its per-round acceptance estimate.
+both phases for its per-round acceptance estimate. ``pack=true`` packs each micro-batch's examples into
+rows of ``max_length`` tokens, each example attending to itself only (the same loss, far fewer rows).
+The stage's own process tokenizes the records into its folder before it starts the training processes,
+which only read them.
 """
 
 from __future__ import annotations
@@ -20,57 +23,74 @@ from transformers import AutoConfig
 
 from pipeline.config import FinetuneMode, Loss
 from pipeline.evaluation import stop_condition
-from pipeline.models.drafter import build_drafter, load_drafter, reduced_vocab, specialize_vocab
+from pipeline.models.drafter import build_drafter, check_drafter, load_drafter, reduced_vocab, specialize_vocab
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.rundir import StageDir, StageInputError, make_command
 from pipeline.tracking import Tracker
 from pipeline.training import loop, on_policy
-from pipeline.training.data import (TokenStrings, finetune_examples, prompt_fraction, read_records, teacher_coverage,
-                                    token_counts)
+from pipeline.training.data import (TokenStrings, finetune_examples, load_examples, prompt_fraction, read_records,
+                                    save_examples, teacher_coverage, token_counts)
 from pipeline.training.launch import MetricsLog, run_training
 from pipeline.training.on_policy import rollout_stop_ids, split_heldout
 
 
+EXAMPLES, HELDOUT = "examples/train.npz", "examples/heldout.npz"  # in the stage folder: tokenized by the stage
+
+
 def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
-    return run_training(cfg, "finetune", directory, tracker)
+    counts = tokenize(cfg, directory)  # in this process, before any training process starts
+    return {**run_training(cfg, "finetune", directory, tracker), **counts}
 
 
-def train(cfg: DictConfig, directory: StageDir, log: MetricsLog) -> dict:
-    """What every training process runs."""
+def tokenize(cfg: DictConfig, directory: StageDir) -> dict:
+    """The distilled records as training examples (``EXAMPLES``, and ``HELDOUT`` for on-policy's estimate), after
+    the P-F compatibility gate; returns the data's counts for the manifest."""
     tc = cfg.train.finetune
     target_path = model_path(cfg.target, cfg.paths.models_dir)
     tokenizer = load_tokenizer(target_path)
     if tc.mode == FinetuneMode.pretrain_finetune:  # the compatibility gate, before any compute
-        model, vocab = load_drafter(str(directory.inputs["pretrain"].path / "drafter"), target_path, cfg.drafter.name)
+        check_drafter(str(directory.inputs["pretrain"].path / "drafter"), target_path, cfg.drafter.name)
 
-    records_dir = directory.inputs["distill"].path / "records"
-    records = read_records(records_dir)
+    distill = directory.inputs["distill"]  # with distill.num_shards > 1, every shard's records as one set
+    records = [record for part in distill.parts for record in read_records(part.path / "records")]
     if not records:
-        raise StageInputError(f"{records_dir} holds no records; run `{make_command(cfg, 'distill')}` with force=true")
+        raise StageInputError(f"{distill.path} holds no records; run `{make_command(cfg, 'distill')}` with force=true")
     records, heldout = split_heldout(records, tc.on_policy.heldout_prompts, cfg.seed) if tc.on_policy.enabled else (records, [])
     records = prompt_fraction(records, tc.data_fraction, cfg.seed)
     strings = None
     if tc.loss != Loss.ce:  # KD against the target's top-k logprobs stored in the records
         if not any(r.get("top_logprobs") for r in records):
             raise StageInputError(
-                f"train.finetune.loss={tc.loss.value} needs the target's top-k logprobs, which {records_dir} lacks: "
+                f"train.finetune.loss={tc.loss.value} needs the target's top-k logprobs, which {distill.path} lacks: "
                 f"run `{make_command(cfg, 'distill', ('distill.top_logprobs=5', 'force=true'))}` or use loss=ce"
             )
         strings = TokenStrings(tokenizer)
     examples = finetune_examples(records, tokenizer, tc.max_length, strings)
-    heldout = finetune_examples(heldout, tokenizer, tc.max_length)
+    save_examples(directory.path / EXAMPLES, examples)
+    save_examples(directory.path / HELDOUT, finetune_examples(heldout, tokenizer, tc.max_length))
+    counts = {"records": len(records), "prompts": len({r["id"] for r in records}),
+              "temperatures": sorted({r["temperature"] for r in records})}
+    if strings is not None:
+        counts["teacher_coverage"] = round(teacher_coverage(examples), 4)
+    return counts
+
+
+def train(cfg: DictConfig, directory: StageDir, log: MetricsLog) -> dict:
+    """What every training process runs: on the examples the stage tokenized."""
+    tc = cfg.train.finetune
+    target_path = model_path(cfg.target, cfg.paths.models_dir)
+    tokenizer = load_tokenizer(target_path)
+    examples, heldout = load_examples(directory.path / EXAMPLES), load_examples(directory.path / HELDOUT)
     if tc.mode == FinetuneMode.finetune_only:
         counts = token_counts(examples, AutoConfig.from_pretrained(target_path).vocab_size)
         model, vocab = build_drafter(cfg.drafter, target_path, reduced_vocab(cfg.drafter, counts, tokenizer), cfg.seed)
-    elif vocab is not None and tc.specialize_vocab:
-        vocab = specialize_vocab(model, vocab, token_counts(examples, vocab.target_vocab_size), tokenizer,
-                                 target_path if cfg.drafter.embeddings_from_target else None)
-
-    counts = loop.train_drafter(tc, model, vocab, examples, tokenizer, target_path, directory.path, log, cfg.seed,
-                                then=aligner(cfg, vocab, examples, heldout, tokenizer, target_path, directory, log))
-    if strings is not None:
-        counts["teacher_coverage"] = round(teacher_coverage(examples), 4)
-    return {**counts, "records": len(records), "prompts": len({r["id"] for r in records}), "temperatures": sorted({r["temperature"] for r in records})}
+    else:
+        model, vocab = load_drafter(str(directory.inputs["pretrain"].path / "drafter"), target_path, cfg.drafter.name)
+        if vocab is not None and tc.specialize_vocab:
+            vocab = specialize_vocab(model, vocab, token_counts(examples, vocab.target_vocab_size), tokenizer,
+                                     target_path if cfg.drafter.embeddings_from_target else None)
+    return loop.train_drafter(tc, model, vocab, examples, tokenizer, target_path, directory.path, log, cfg.seed,
+                              then=aligner(cfg, vocab, examples, heldout, tokenizer, target_path, directory, log))
 
 
 def aligner(cfg: DictConfig, vocab, examples: list[dict], heldout: list[dict], tokenizer, target_path: str,

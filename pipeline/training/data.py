@@ -2,8 +2,11 @@
 
 Every example is ``{"input_ids": [...], "labels": [...]}`` in TARGET token ids, labels aligned with
 inputs (the loss predicts ``labels[t + 1]`` from ``input_ids[: t + 1]``) and ``IGNORE`` where no loss
-is taken. ``Collator`` pads a batch and maps both to a reduced drafter vocabulary.
+is taken. ``Collator`` pads (or packs, finetuning) a batch and maps both to a reduced drafter vocabulary.
 
+Pretraining reads ``train.pretrain.token_budget`` tokens of its corpora mixed by tokens at their
+weights; once the small corpus (ShareGPT) is exhausted the large one (C4) goes on alone. The stage
+process tokenizes them into a cache before any training process starts; the processes only read it.
 Pretraining packs documents into ``max_length`` blocks, each document ``[BOS] text EOS`` (BOS only
 when the target's tokenizer adds one). Attention does cross document boundaries, as in GPT/nanoGPT
 pretraining, but the label of each document's first token is masked: the drafter is never trained
@@ -14,8 +17,10 @@ Blocks are never padded (the stream's tail is dropped), so no padding is ever a 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,49 +35,62 @@ from pipeline.models.vocab import VocabMap
 
 IGNORE = -100  # torch cross_entropy's ignore_index
 TOKENIZE_BATCH = 512
+READ_FILE = "read.json"  # a pretraining cache's counts, written last
 
 
 # ---------------------------------------------------------------- pretraining
 
 
-def sharegpt_documents(limit: int | None) -> Iterator[dict]:
+def sharegpt_documents(limit: int | None) -> Iterator[str]:
     for record in iter_conversations(limit):
         text = "\n\n".join(turn["value"] for turn in record.get("conversations", []) if (turn.get("value") or "").strip())
         if text:
-            yield {"text": text}
+            yield text
 
 
-def pretrain_documents(cfg: DictConfig) -> Iterator[str]:
-    """Documents of ``data.pretrain_corpora``, mixed by weight (ShareGPT offline; C4 streamed from the hub)."""
+def corpus_documents(corpus: DictConfig, max_documents: int | None) -> Iterator[str]:
+    """One pretraining corpus's texts: ShareGPT from its package, any other a hub text corpus streamed (C4)."""
+    if corpus.name == "sharegpt":
+        return sharegpt_documents(max_documents)
     import datasets
 
-    streams = []
-    for corpus in cfg.data.pretrain_corpora:
-        if corpus.name == "sharegpt":
-            stream = datasets.IterableDataset.from_generator(
-                sharegpt_documents, gen_kwargs={"limit": cfg.data.pretrain_max_documents}
-            )
-        else:  # a hub text corpus, e.g. allenai/c4 "en"
-            stream = datasets.load_dataset(
-                corpus.hub_dataset or corpus.name, corpus.hub_subset, split="train", streaming=True
-            ).select_columns(["text"])
-        streams.append(stream)
-    weights = [corpus.weight for corpus in cfg.data.pretrain_corpora]
-    mixed = streams[0] if len(streams) == 1 else datasets.interleave_datasets(
-        streams, probabilities=[w / sum(weights) for w in weights], seed=cfg.seed, stopping_strategy="first_exhausted"
-    )
-    if cfg.data.pretrain_max_documents is not None:
-        mixed = mixed.take(cfg.data.pretrain_max_documents)
-    for row in mixed:
-        yield row["text"]
+    stream = datasets.load_dataset(corpus.hub_dataset or corpus.name, corpus.hub_subset, split="train", streaming=True)
+    return (row["text"] for row in stream.select_columns(["text"]))
 
 
-def pretrain_tokens(cfg: DictConfig, tokenizer, max_tokens: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """The tokenized pretraining stream and its document start offsets, cached under ``paths.cache_dir``.
+def tokenized_documents(texts: Iterator[str], tokenizer) -> Iterator[np.ndarray]:
+    """Each text as ``[BOS] ids EOS`` (BOS exactly when the target's tokenizer adds one), tokenized in batches."""
+    while batch := list(itertools.islice(texts, TOKENIZE_BATCH)):
+        for ids in tokenizer(batch)["input_ids"]:
+            yield np.asarray(ids + [tokenizer.eos_token_id], dtype=np.uint32)
 
-    Tokenizing all of ShareGPT with a 262k-token vocabulary takes minutes: the stream is computed once
-    per (tokenizer, corpora, limits) and shared by every run and rank. Stops after ``max_tokens``.
+
+def mixed_documents(cfg: DictConfig, tokenizer, counts: dict[str, dict]) -> Iterator[np.ndarray]:
+    """The tokenized documents of ``data.pretrain_corpora`` mixed BY TOKENS at their weights.
+
+    The next document always comes from the corpus furthest below its share of the tokens read so far
+    (deterministic, no seed). A corpus that runs out leaves the others to go on, so a token budget is
+    read from the large corpus (C4) after the small one (ShareGPT's 17.7k conversations) is exhausted,
+    never recycling it. ``counts`` receives each corpus's documents and tokens read.
     """
+    corpora = {c.name: c for c in cfg.data.pretrain_corpora}
+    streams = {name: tokenized_documents(corpus_documents(c, cfg.data.pretrain_max_documents), tokenizer)
+               for name, c in corpora.items()}
+    counts.update({name: {"documents": 0, "tokens": 0, "exhausted": False} for name in corpora})
+    while streams:
+        name = min(streams, key=lambda n: counts[n]["tokens"] / corpora[n].weight)
+        ids = next(streams[name], None)
+        if ids is None:
+            counts[name]["exhausted"] = True
+            del streams[name]
+            continue
+        counts[name]["documents"] += 1
+        counts[name]["tokens"] += len(ids)
+        yield ids
+
+
+def pretrain_cache(cfg: DictConfig, tokenizer, max_tokens: int | None) -> Path:
+    """Where the pretraining stream of this (tokenizer, corpora, limits) is cached, under ``paths.cache_dir``."""
     key = {
         # the vocabulary itself: a dry run's stand-in or a test's tokenizer may carry a real target's name
         "tokenizer": hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest(),
@@ -80,36 +98,59 @@ def pretrain_tokens(cfg: DictConfig, tokenizer, max_tokens: int | None) -> tuple
         "corpora": OmegaConf.to_container(cfg.data.pretrain_corpora, enum_to_str=True),
         "max_documents": cfg.data.pretrain_max_documents,
         "max_tokens": max_tokens,
-        "seed": cfg.seed if len(cfg.data.pretrain_corpora) > 1 else None,
+        "mixing": "tokens",  # caches of the former document-interleaved stream are not reused
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    folder = Path(cfg.paths.cache_dir) / "pretrain-tokens" / digest
-    if (folder / "tokens.npy").exists():
-        return np.load(folder / "tokens.npy"), np.load(folder / "starts.npy")
+    return Path(cfg.paths.cache_dir) / "pretrain-tokens" / digest
 
-    eos = tokenizer.eos_token_id
-    pieces, starts, total = [], [], 0
-    documents = pretrain_documents(cfg)
+
+def write_pretrain_tokens(cfg: DictConfig, tokenizer, max_tokens: int | None) -> dict:
+    """Tokenize the pretraining stream into its cache (once per key) and return what was read.
+
+    Runs in the stage's own process before ``accelerate launch``: tokenizing C4 takes far longer than a
+    collective may wait (NCCL's 10 minutes). Stops after ``max_tokens`` (all corpora exhausted: fewer).
+    """
+    folder = pretrain_cache(cfg, tokenizer, max_tokens)
+    if (folder / READ_FILE).exists():
+        return json.loads((folder / READ_FILE).read_text())
+    pieces, starts, total, counts = [], [], 0, {}
+    documents = itertools.islice(mixed_documents(cfg, tokenizer, counts), cfg.data.pretrain_max_documents)
     with tqdm(desc="tokenizing pretraining data", unit=" tok", unit_scale=True, mininterval=5) as bar:
         while max_tokens is None or total < max_tokens:
-            batch = [text for _, text in zip(range(TOKENIZE_BATCH), documents)]
-            if not batch:
+            ids = next(documents, None)
+            if ids is None:
                 break
-            for ids in tokenizer(batch)["input_ids"]:  # adds BOS exactly when the target's tokenizer does
-                starts.append(total)
-                pieces.append(np.asarray(ids + [eos], dtype=np.uint32))
-                total += len(ids) + 1
-            bar.update(sum(len(p) for p in pieces[-len(batch):]))
+            starts.append(total)
+            pieces.append(ids)
+            total += len(ids)
+            bar.update(len(ids))
     tokens = np.concatenate(pieces)[:max_tokens] if pieces else np.zeros(0, dtype=np.uint32)
-    starts = np.asarray(starts, dtype=np.int64)
-    starts = starts[starts < len(tokens)]
-    partial = folder.with_name(f".{digest}.{os.getpid()}.partial")
+    read = {"tokens": len(tokens), "documents": len(starts), "corpora": counts}
+    partial = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
     partial.mkdir(parents=True, exist_ok=True)
     np.save(partial / "tokens.npy", tokens)
-    np.save(partial / "starts.npy", starts)
-    if not folder.exists():  # another rank or run may have finished the same cache first
+    np.save(partial / "starts.npy", np.asarray(starts, dtype=np.int64))
+    (partial / READ_FILE).write_text(json.dumps(read, indent=1) + "\n")  # written last: the cache is whole
+    if not folder.exists():  # another run may have finished the same cache first
         os.replace(partial, folder)
-    return tokens, starts
+    else:
+        shutil.rmtree(partial)
+    return read
+
+
+def read_pretrain_tokens(cfg: DictConfig, tokenizer, max_tokens: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The cached stream and its document start offsets (what every training process reads)."""
+    folder = pretrain_cache(cfg, tokenizer, max_tokens)
+    if not (folder / READ_FILE).exists():
+        raise FileNotFoundError(f"{folder} holds no tokenized pretraining data: the pretrain stage writes it before "
+                                "it launches the training processes; run `specdraft pretrain`, not a worker alone")
+    return np.load(folder / "tokens.npy"), np.load(folder / "starts.npy")
+
+
+def pretrain_tokens(cfg: DictConfig, tokenizer, max_tokens: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Both at once, in one process that is no training worker (a bench)."""
+    write_pretrain_tokens(cfg, tokenizer, max_tokens)
+    return read_pretrain_tokens(cfg, tokenizer, max_tokens)
 
 
 def pack(tokens: np.ndarray, starts: np.ndarray, max_length: int) -> list[dict]:
@@ -235,6 +276,40 @@ def teacher_coverage(examples: list[dict]) -> float:
     return known / max(labelled, 1)
 
 
+EXAMPLE_ARRAYS = ("input_ids", "labels", "teacher_ids", "teacher_logprobs")
+
+
+def save_examples(path: Path, examples: list[dict]) -> None:
+    """Tokenized examples as flat arrays and lengths (``np.savez``, nothing pickled), written atomically: the
+    finetune stage tokenizes its records once, before ``accelerate launch``, and every process reads them."""
+    arrays = {"lengths": np.asarray([len(e["input_ids"]) for e in examples], dtype=np.int64)}
+    for key in EXAMPLE_ARRAYS:
+        if examples and key in examples[0]:
+            values = [np.asarray(e[key]) for e in examples]
+            if values[0].ndim == 2:  # the target's top-k: records may list fewer alternatives; pad as the Collator does
+                width = max(v.shape[1] for v in values)
+                fill = -1 if key == "teacher_ids" else -np.inf
+                values = [np.pad(v, ((0, 0), (0, width - v.shape[1])), constant_values=fill) for v in values]
+            arrays[key] = np.concatenate(values)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    with partial.open("wb") as handle:
+        np.savez(handle, **arrays)
+    os.replace(partial, path)
+
+
+def load_examples(path: Path) -> list[dict]:
+    """What ``save_examples`` wrote, as views into the arrays; one line naming the stage if it is missing."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: the finetune stage tokenizes its records there before it launches "
+                                "the training processes; run `specdraft finetune`, not a worker alone")
+    with np.load(path, allow_pickle=False) as data:
+        arrays = {key: data[key] for key in data.files}
+    bounds = np.cumsum(arrays.pop("lengths"))[:-1]
+    split = {key: np.split(array, bounds) for key, array in arrays.items()}
+    return [dict(zip(split, values)) for values in zip(*split.values())] if split else []
+
+
 # ---------------------------------------------------------------- vocabulary and batches
 
 
@@ -259,34 +334,73 @@ class Collator:
     Labels outside a reduced vocabulary are ignored: the drafter can never propose them. The target's
     top-k (``teacher_ids``/``teacher_logprobs``, for KD) is padded to (batch, length, k) the same way,
     ids off the map dropped (-1, logprob -inf).
+
+    With ``pack_length`` the batch's examples are packed into rows of up to that many tokens (first fit,
+    longest first) instead of one padded row each. Each example keeps its own positions from 0
+    (``position_ids``) and attends to itself only (``segment_ids``; the objective builds the
+    block-diagonal causal mask on the device), and its first token is no label, so a packed batch has
+    exactly the losses of its examples run one by one. Every batch carries ``keep``: the positions where
+    some row has a label, found here on the host, so the LM head runs there without a device sync.
     """
 
-    def __init__(self, pad_id: int | None, vocab: VocabMap | None):
+    def __init__(self, pad_id: int | None, vocab: VocabMap | None, pack_length: int | None = None):
         # Llama-2's tokenizer has no pad token: padded positions are masked and never labels, so any id serves.
-        self.pad_id, self.vocab = 0 if pad_id is None else pad_id, vocab
+        self.pad_id, self.vocab, self.pack_length = 0 if pad_id is None else pad_id, vocab, pack_length
+
+    def rows(self, examples: list[dict]) -> list[list[dict]]:
+        """The examples of each row: one each, or packed first-fit, longest first."""
+        if self.pack_length is None:
+            return [[example] for example in examples]
+        rows, room = [], []
+        for example in sorted(examples, key=lambda e: -len(e["input_ids"])):
+            n = len(example["input_ids"])
+            row = next((i for i, free in enumerate(room) if n <= free), None)
+            if row is None:
+                rows.append([])
+                room.append(self.pack_length)
+                row = len(rows) - 1
+            rows[row].append(example)
+            room[row] -= n
+        return rows
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        length = max(len(e["input_ids"]) for e in examples)
-        input_ids = torch.full((len(examples), length), self.pad_id, dtype=torch.long)
-        labels = torch.full((len(examples), length), IGNORE, dtype=torch.long)
-        attention_mask = torch.zeros((len(examples), length), dtype=torch.long)
-        for row, example in enumerate(examples):
-            n = len(example["input_ids"])
-            input_ids[row, :n] = torch.as_tensor(example["input_ids"])
-            labels[row, :n] = torch.as_tensor(example["labels"])
-            attention_mask[row, :n] = 1
+        rows = self.rows(examples)
+        length = max(sum(len(e["input_ids"]) for e in row) for row in rows)
+        shape = (len(rows), length)
+        input_ids = torch.full(shape, self.pad_id, dtype=torch.long)
+        labels = torch.full(shape, IGNORE, dtype=torch.long)
+        attention_mask = torch.zeros(shape, dtype=torch.long)
+        position_ids = torch.zeros(shape, dtype=torch.long)
+        segment_ids = torch.full(shape, -1, dtype=torch.long)  # padding: a segment of its own, never a label
+        teacher = "teacher_ids" in examples[0]
+        if teacher:
+            k = max(e["teacher_ids"].shape[1] for e in examples)
+            teacher_ids = torch.full((*shape, k), -1, dtype=torch.long)
+            teacher_logprobs = torch.full((*shape, k), float("-inf"))
+        for r, row in enumerate(rows):
+            at = 0
+            for segment, example in enumerate(row):
+                n = len(example["input_ids"])
+                input_ids[r, at:at + n] = torch.as_tensor(example["input_ids"])
+                labels[r, at:at + n] = torch.as_tensor(example["labels"])
+                attention_mask[r, at:at + n] = 1
+                position_ids[r, at:at + n] = torch.arange(n)
+                segment_ids[r, at:at + n] = segment
+                if teacher:
+                    width = example["teacher_ids"].shape[1]
+                    teacher_ids[r, at:at + n, :width] = torch.as_tensor(example["teacher_ids"])
+                    teacher_logprobs[r, at:at + n, :width] = torch.as_tensor(example["teacher_logprobs"])
+                if self.pack_length is not None:
+                    labels[r, at] = IGNORE  # else predicted from the example packed before it
+                at += n
         if self.vocab is not None:
             input_ids = self.vocab.encode(input_ids)
             labels = self.to_drafter(labels)
-        batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
-        if "teacher_ids" in examples[0]:
-            k = max(e["teacher_ids"].shape[1] for e in examples)
-            teacher_ids = torch.full((len(examples), length, k), -1, dtype=torch.long)
-            teacher_logprobs = torch.full((len(examples), length, k), float("-inf"))
-            for row, example in enumerate(examples):
-                n, width = example["teacher_ids"].shape
-                teacher_ids[row, :n, :width] = torch.as_tensor(example["teacher_ids"])
-                teacher_logprobs[row, :n, :width] = torch.as_tensor(example["teacher_logprobs"])
+        batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
+                 "keep": (labels[:, 1:] != IGNORE).any(0).nonzero().squeeze(1)}  # position t predicts label t + 1
+        if self.pack_length is not None:
+            batch |= {"position_ids": position_ids, "segment_ids": segment_ids}
+        if teacher:
             if self.vocab is not None:
                 teacher_ids = self.to_drafter(teacher_ids, missing=-1)
             batch["teacher_ids"] = teacher_ids

@@ -10,6 +10,10 @@ Data order is a permutation of the examples seeded by (seed, epoch); a checkpoin
 is written every ``save_every`` steps and on SIGTERM/SIGUSR1, after which the process exits with
 ``EXIT_PREEMPTED`` and the stage stays incomplete. ``resume=auto`` continues from the latest
 checkpoint and reproduces the uninterrupted run's losses exactly.
+
+A step never waits for the device on the host: batches are copied from pinned memory without blocking,
+the positions the LM head runs at come from the collator, the processes agree on a preemption over a
+host (gloo) group, and the loss and token counts stay on the device until a logged or checkpointed step.
 """
 
 from __future__ import annotations
@@ -150,16 +154,27 @@ def loss_sum(logits: torch.Tensor, targets: dict[str, torch.Tensor], loss: Loss)
     return per_token.masked_fill(labels == IGNORE, 0.0).sum()
 
 
+def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, length, length) bool: each token attends to the earlier tokens of its own packed example."""
+    length = segment_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
+    return ((segment_ids[:, :, None] == segment_ids[:, None, :]) & causal).unsqueeze(1)
+
+
 def supervised_objective(loss: Loss) -> Callable:
     """SFT's objective: ``loss`` on the batch's labelled tokens; the batch's sample seed is unused."""
 
     def objective(model, batch: dict, sample_seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # Position t predicts token t + 1. The LM head (most of a small drafter's compute) runs only where
-        # some row has a label: finetuning skips most prompt positions.
-        targets = {k: shift(batch[k], nothing) for k, nothing in NOTHING.items() if k in batch}
-        keep = (targets["labels"] != IGNORE).any(dim=0).nonzero().squeeze(1)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=keep).logits
-        targets = {k: v[:, keep] for k, v in targets.items()}
+        # Position t predicts token t + 1. The LM head (most of a small drafter's compute) runs only at the
+        # positions the collator found labelled (``keep``): finetuning skips most prompt positions.
+        # Right padding needs no mask (causal attention never reaches a later pad); packed rows get theirs.
+        # Nothing here reads a device value on the host: the step never waits for the GPU.
+        packed = {}
+        if "segment_ids" in batch:
+            packed = {"attention_mask": block_causal_mask(batch["segment_ids"]), "position_ids": batch["position_ids"]}
+        keep = batch["keep"]
+        logits = model(input_ids=batch["input_ids"], logits_to_keep=keep, **packed).logits
+        targets = {k: shift(batch[k], nothing)[:, keep] for k, nothing in NOTHING.items() if k in batch}
         return loss_sum(logits, targets, loss), (targets["labels"] != IGNORE).sum(), batch["attention_mask"].sum()
 
     return objective
@@ -222,6 +237,8 @@ def train(
             scheduler.step()
         accelerator.print(f"resuming from {checkpoint} (step {step} of {total_steps})")
 
+    pinned = accelerator.device.type == "cuda"
+
     def batches(start_step: int):
         """This process's micro-batches from ``start_step`` on, epoch after epoch."""
         epoch, skip = divmod(start_step, steps_per_epoch)
@@ -229,8 +246,19 @@ def train(
             order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch))
             order = order[skip * tc.batch_size: steps_per_epoch * tc.batch_size].view(-1, world, local_batch)
             mine = order[:, accelerator.process_index].flatten().tolist()
-            yield from DataLoader(examples, batch_size=local_batch, sampler=mine, collate_fn=collate)
+            yield from DataLoader(examples, batch_size=local_batch, sampler=mine, collate_fn=collate, pin_memory=pinned)
             epoch, skip = epoch + 1, 0
+
+    stop_group = torch.distributed.new_group(backend="gloo") if world > 1 else None
+
+    def preempted(received: list) -> bool:
+        """Whether any process got a preemption signal: agreed on the host (gloo), so the step never waits
+        for the device, as a reduce of a CUDA tensor read back with .item() would."""
+        if stop_group is None:
+            return bool(received)
+        flag = torch.tensor([len(received)])
+        torch.distributed.all_reduce(flag, group=stop_group)
+        return bool(flag[0])
 
     model.train()
     window = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # since the last log: loss sum, labels, inputs
@@ -243,7 +271,8 @@ def train(
         while step < total_steps:
             grad_norm = None
             for micro in range(tc.grad_accum):
-                batch = {k: v.to(accelerator.device) for k, v in next(data).items()}
+                # pinned and non-blocking: a pageable copy would make the host wait for the device every micro-batch
+                batch = {k: v.to(accelerator.device, non_blocking=pinned) for k, v in next(data).items()}
                 with accelerator.accumulate(model):
                     sample_seed = ((seed * 1_000_003 + step) * tc.grad_accum + micro) * world + accelerator.process_index
                     loss_total, label_tokens, inputs = objective(model, batch, sample_seed)
@@ -260,7 +289,7 @@ def train(
             step += 1
             bar.update(1)
 
-            stop = accelerator.reduce(torch.tensor(float(bool(received)), device=accelerator.device), "sum").item() > 0
+            stop = preempted(received)
             checkpoint_now = stop or step % tc.save_every == 0 or step == total_steps
             if checkpoint_now or step % tc.log_every == 0:
                 tokens_seen = tokens_before + int(accelerator.reduce(local_inputs, "sum").item())
@@ -305,7 +334,8 @@ def train_drafter(
 ) -> dict:
     """Train, then write ``out_dir/drafter`` (contract 2); returns the counts for the manifest. ``then``, if
     given, is a further phase that continues from the trained drafter (finetune's on-policy alignment)."""
-    result = train(tc, model, examples, Collator(tokenizer.pad_token_id, vocab), out_dir, log, seed)
+    collate = Collator(tokenizer.pad_token_id, vocab, tc.max_length if tc.get("pack") else None)
+    result = train(tc, model, examples, collate, out_dir, log, seed)
     if then is not None:
         result = then(result)
     state_dict = result.accelerator.get_state_dict(result.prepared)  # on every rank: DeepSpeed gathers the shards
