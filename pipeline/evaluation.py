@@ -36,9 +36,11 @@ SUMMARY_KEYS = ("speedup", "tokens_per_s", "alpha", "tau", "predicted_speedup")
 FULL_PRECISION = ("float32", "fp32", "float")  # "float": float32 to torch and to vLLM's --dtype
 
 
-def environment(device: torch.device) -> dict:
+def environment(device: torch.device, processes: int = 1) -> dict:
+    """The machine a measurement ran on; ``processes``: how many decoded at once, each on a device of its own."""
     env = {
         "device": str(device),
+        "processes": processes,
         "cpu": cpu_model(),
         "cpu_flags": relevant_cpu_flags(),
         "cpu_count": os.cpu_count(),

@@ -128,10 +128,12 @@ def pyplot():
 
 def machine(environment: dict) -> str:
     """Where an eval ran, as its report names it: the GPU, else the CPU model, cores and matrix flags."""
+    # several eval processes decode at once, each timing its own prompts on its own GPU (or share of the CPU)
+    shared = f", {environment['processes']} processes" if environment.get("processes", 1) > 1 else ""
     if "gpu" in environment:
-        return f"{environment['gpu']} (CUDA {environment['cuda']})"
+        return f"{environment['gpu']} (CUDA {environment['cuda']}{shared})"
     flags = f", {' '.join(environment['cpu_flags'])}" if environment.get("cpu_flags") else ""
-    return f"{environment['cpu']} ({environment['cpu_count']} cores{flags})"
+    return f"{environment['cpu']} ({environment['cpu_count']} cores{flags}{shared})"
 
 
 def k_line(metrics: dict) -> str:
@@ -147,13 +149,15 @@ def k_line(metrics: dict) -> str:
 def dtype_line(metrics: dict) -> str:
     """The target's dtype in decoding, and the timings that chose it where the eval chose it."""
     choice = metrics.get("target_dtype_choice") or {}
+    # the drafter runs in the target's dtype, as vLLM and transformers' assisted generation serve it
+    drafter = f" Drafter in {metrics['drafter_dtype']}, as served beside the target." if "drafter_dtype" in metrics else ""
     if "timings" not in choice:
-        return f"Target decoded in {metrics['target_dtype']}."
+        return f"Target decoded in {metrics['target_dtype']}.{drafter}"
     timed = "; ".join(f"{dtype}: one-token step {t['step_s'] * 1e3:.1f} ms, verify of {choice['verify_tokens']} "
                       f"tokens {t['verify_s'] * 1e3:.1f} ms" for dtype, t in choice["timings"].items())
     changed = f", not the recipe's {choice['recipe']}" if choice["chosen"] != choice["recipe"] else ""
     return (f"Target decoded in {choice['chosen']}{changed} (every method, the target alone too), the fastest "
-            f"verify measured at the start of this eval: {timed}.")
+            f"verify measured at the start of this eval: {timed}.{drafter}")
 
 
 def plot_speedup(metrics: dict, path: Path) -> None:

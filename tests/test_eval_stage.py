@@ -74,6 +74,95 @@ def test_eval_stage_writes_metrics_report_and_passes_greedy_gate(ci_drafter, run
     assert "speculative (ours)" in (runs_dir / "report.md").read_text()
 
 
+TIMINGS = ("seconds", "tokens_per_s", "speedup", "predicted_speedup")
+
+
+def without_timings(value):
+    """metrics.json's results with every wall-clock figure (and what is derived from one) left out."""
+    if isinstance(value, dict):
+        return {key: without_timings(v) for key, v in value.items() if key not in TIMINGS}
+    return value
+
+
+@pytest.mark.slow
+def test_eval_sharded_over_two_processes_measures_what_one_process_does(ci_drafter, tmp_path):
+    """Issue 27's acceptance: 2 processes (this one and a worker, on the CPU) decode disjoint prompts with the same
+    per-prompt seeds: every count, α, τ and greedy check equals one process's, and samples.jsonl is one file in
+    prompt order."""
+    common = ["recipe=ci", f"eval.drafter_path={ci_drafter}", "eval.methods=[target,speculative,hf_assisted]",
+              "eval.k_sweep=[4]", "eval.max_new_tokens=8"]
+    metrics, samples = {}, {}
+    for processes in (1, 2):
+        runs = tmp_path / f"runs-{processes}"
+        assert cli.main(["eval", *common, f"paths.runs_dir={runs}", f"eval.processes={processes}"]) == 0
+        out = next(runs.glob("**/eval"))
+        metrics[processes] = json.loads((out / "metrics.json").read_text())
+        samples[processes] = [json.loads(line) for line in (out / "samples.jsonl").open()]
+        assert not list(out.glob("samples.shard-*")) and (out / "COMPLETE").exists()
+    one, two = metrics[1], metrics[2]
+    assert without_timings(two["results"]) == without_timings(one["results"])
+    assert two["lossless"] == one["lossless"] and two["k_choice"] == one["k_choice"]
+    assert [(r["lang"], r["temperature"], r["id"]) for r in samples[2]] == [
+        (r["lang"], r["temperature"], r["id"]) for r in samples[1]]
+    for a, b in zip(samples[1], samples[2]):
+        assert {name: m["token_ids"] for name, m in a["methods"].items()} == {
+            name: m["token_ids"] for name, m in b["methods"].items()}
+    assert (one["environment"]["processes"], two["environment"]["processes"]) == (1, 2)
+    assert two["sessions"][0]["processes"] == 2 and two["sessions"][0]["prompts_measured"] == len(samples[2])
+    assert one["drafter_dtype"] == one["target_dtype"] == "float32"
+
+
+def test_eval_processes_one_per_gpu_pinned_to_slurms_gpus_and_outside_the_eval_hash(runs_dir, monkeypatch):
+    """What a GPU node does, with torch's CUDA answers injected: auto = every visible GPU; the workers get the
+    GPUs this process does not use, named as Slurm's CUDA_VISIBLE_DEVICES names them; impossible counts are refused
+    in one line; the process count changes no result, so not the stage's hash either."""
+    import torch
+
+    from pipeline.config import ConfigError
+    from pipeline.rundir import stage_dir
+    from pipeline.stages.eval import eval_processes, worker_gpus
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    base = ["recipe=ci", f"paths.runs_dir={runs_dir}"]
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert eval_processes(compose_config(base).eval, gpu) == 4 and eval_processes(compose_config(base).eval, cpu) == 1
+    assert eval_processes(compose_config([*base, "eval.device=cuda:1"]).eval, torch.device("cuda", 1)) == 1
+    assert worker_gpus(gpu, 4) == ["5", "6", "7"] and worker_gpus(torch.device("cuda", 1), 2) == ["4"]
+    assert worker_gpus(cpu, 3) == [None, None]
+    with pytest.raises(ConfigError, match="eval.processes=5 needs a GPU each, and torch sees 4"):
+        eval_processes(compose_config([*base, "eval.processes=5"]).eval, gpu)
+    with pytest.raises(ConfigError, match="set eval.device=auto or eval.processes=1"):
+        eval_processes(compose_config([*base, "eval.processes=2", "eval.device=cuda:1"]).eval, torch.device("cuda", 1))
+    with pytest.raises(ConfigError, match="eval.processes must be a positive integer or auto, not 0"):
+        compose_config([*base, "eval.processes=0"])
+
+    def eval_hash(*extra):
+        return stage_dir(compose_config([*base, *extra]), "eval", check_inputs=False).config_hash
+
+    assert eval_hash("eval.processes=2") == eval_hash() != eval_hash("eval.num_prompts=4")
+
+
+@pytest.mark.slow
+def test_a_failing_worker_process_ends_the_stage_in_one_line(ci_drafter, runs_dir, monkeypatch, capsys):
+    """The worker is handed a drafter folder that does not exist: its error, reported as training's workers report
+    theirs, stops the stage's own decoding and ends the command in that one line; no metrics are written."""
+    from pipeline.stages import eval as eval_stage
+
+    start = eval_stage.Workers.__init__
+    monkeypatch.setattr(eval_stage.Workers, "__init__",
+                        lambda self, cfg, drafter_path, *args: start(self, cfg, "/nonexistent/drafter", *args))
+    capsys.readouterr()
+    assert cli.main(["eval", "recipe=ci", f"paths.runs_dir={runs_dir}", f"eval.drafter_path={ci_drafter}",
+                     "eval.processes=2", "eval.methods=[target,speculative]", "eval.k_sweep=[4]"]) == 2
+    err = capsys.readouterr().err
+    error = err[err.index("error: "):]
+    assert error == ("error: drafter folder /nonexistent/drafter does not exist; set eval.drafter_path to an HF "
+                     "folder\n")
+    assert not list(runs_dir.glob("**/metrics.json"))
+
+
 @pytest.mark.slow
 def test_drafter_with_another_tokenizer_is_refused_before_compute(gemma_path, smollm_path, runs_dir, tmp_path, monkeypatch, capsys):
     folder = tmp_path / "gemma-tokenizer-drafter"
@@ -267,6 +356,7 @@ def test_eval_chooses_target_dtype_and_k_from_measured_costs_and_says_when_no_k_
     printed = capsys.readouterr().out
     metrics = json.loads((next(runs_dir.glob("**/eval")) / "metrics.json").read_text())
     assert metrics["target_dtype"] == "bfloat16" and metrics["lossless"]["tie_tolerance"] == 0.5
+    assert metrics["drafter_dtype"] == "bfloat16"  # served in the target's dtype
     assert metrics["target_dtype_choice"]["recipe"] == "float32" and metrics["lossless"]["mismatches"] == []
     choice = metrics["k_choice"]["T=0.0"]["speculative"]
     # a random drafter accepts next to nothing: with c 0.2 and v(K) ~2 the target alone is faster
@@ -277,4 +367,5 @@ def test_eval_chooses_target_dtype_and_k_from_measured_costs_and_says_when_no_k_
     assert {"speculative", "speculative_k4"} <= set(greedy) and "speculative_k2" not in greedy  # K=2 is the main row
     report = (next(runs_dir.glob("**/eval")) / "report.md").read_text()
     assert "Target decoded in bfloat16, not the recipe's float32" in report and choice["no_k_pays"] in report
+    assert "Drafter in bfloat16, as served beside the target." in report
     assert "K chosen from the measured costs" in report

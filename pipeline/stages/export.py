@@ -123,10 +123,11 @@ def smoke_check(cfg: DictConfig, target_path: str, finetuned: str, folder, devic
     ev = cfg.eval
     tokenizer = load_tokenizer(target_path)
     target_model = load_model(target_path, cfg.target.dtype, device)
-    exported = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+    # Both drafters in the target's dtype, as the README's snippets and vLLM serve the exported one.
+    exported = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=target_model.dtype)
     exported = exported.to(device).eval()
     drafter, vocab = load_drafter(finetuned, target_path, device=device)
-    ours = ModelDrafter(drafter.eval(), vocab)
+    ours = ModelDrafter(drafter.to(target_model.dtype).eval(), vocab)
     target = CachedModel(target_model)
     stop = stop_condition(cfg.target, tokenizer, target_model)
     greedy, sampled = Sampling(0.0), Sampling(1.0, ev.top_k, ev.top_p)
