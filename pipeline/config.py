@@ -93,6 +93,7 @@ class TargetConfig:
     source: ModelSource = MISSING
     path: str = MISSING  # hub id, local folder, or (gguf_package) the import name of the package
     gguf_file: Optional[str] = None  # file inside the package; None: the package's single .gguf
+    gguf_sha256: Optional[str] = None  # the GGUF file's sha256, checked before converting (None: unchecked)
     revision: Optional[str] = None  # hub revision (branch, tag or commit) of a hub target
     # weights' dtype in eval and (unless distill.server.dtype) in vLLM: float32 | bfloat16 | float16
     dtype: str = "float32"

@@ -60,3 +60,16 @@ def test_converted_folder_is_checksummed(smollm_path, tmp_path):
         handle.write(" ")
     with pytest.raises(ModelNotFoundError, match="does not match its checksum"):
         verify_checksums(copy)
+
+
+def test_a_packaged_gguf_whose_sha256_is_not_the_pinned_one_is_never_converted(tmp_path):
+    """The targets shipped in PyPI packages pin their GGUF's sha256: another file in the package (a tampered or
+    republished release) is refused in one line before anything is converted or written."""
+    from pipeline.models.provision import model_path
+
+    cfg = compose_config(["target=smollm2-135m", "target.gguf_sha256=" + "0" * 64])
+    with pytest.raises(ModelNotFoundError, match=r"not the pinned 0{64} of target smollm2-135m: reinstall"):
+        model_path(cfg.target, tmp_path)
+    assert {path.name for path in tmp_path.iterdir()} <= {"smollm2-135m.lock"}  # no folder, no partial one
+    assert len(compose_config(["target=smollm2-135m"]).target.gguf_sha256) == 64
+    assert len(compose_config(["target=gemma3-270m"]).target.gguf_sha256) == 64

@@ -248,6 +248,10 @@ def weights_path(model: DictConfig, models_dir: str | Path) -> str:
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
         gguf = packaged_gguf(model.path, model.gguf_file, work)
+        if model.gguf_sha256 and (found := _sha256(gguf)) != model.gguf_sha256:
+            shutil.rmtree(work)
+            raise ModelNotFoundError(f"{gguf} has sha256 {found}, not the pinned {model.gguf_sha256} of target "
+                                     f"{model.name}: reinstall its package (make install) or update target.gguf_sha256")
         print(f"converting {gguf.name} to an HF folder in {out_dir} (once)", flush=True)
         convert_gguf(gguf, work, model.dtype, model.add_bos_token)
         if gguf.parent == work:
