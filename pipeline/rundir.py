@@ -14,10 +14,16 @@ Slurm job computes the same path):
 or a sweep (``run=lr-1e-4 train.finetune.lr=1e-4``) never write into each other's folders. Pretraining is
 language independent and costly, so every run whose pretraining config is the same shares its folder.
 
-Each holds ``manifest.json`` (hash of the config sections the stage depends on and of its inputs'
-hashes, git revision, inputs, counts) and, once finished, the atomic completion marker ``COMPLETE``.
-A complete stage with the same hash is skipped; one with a different hash is refused unless
-``force=true``, which moves the old directory aside instead of deleting it.
+Each holds ``manifest.json`` (hash of the config sections the stage depends on, of its inputs'
+hashes and of the contents of the files it reads besides them, git revision, inputs, counts) and, once
+finished, the atomic completion marker ``COMPLETE``. A complete stage with the same hash is skipped; one
+with a different hash is refused unless ``force=true``, which moves the old directory aside instead of
+deleting it.
+
+The contents (``input_contents``: the target's weights, a drafter's, the prompts file) are in the hash, not
+only checked on reuse: a pretraining of other weights gets a folder of its own, a fixed-path stage is refused
+in one line naming what changed (force=true keeps the old results aside), and every later stage, whose hash
+covers its inputs' hashes, sees its input as made for another config: nothing stale is reused downstream.
 """
 
 from __future__ import annotations
@@ -37,8 +43,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.config import REPO_ROOT, FinetuneMode, config_hash, sections
+from pipeline.config import REPO_ROOT, ConfigError, FinetuneMode, SourceKind, config_hash, sections
 from pipeline.durable import write_atomic
+from pipeline.models.drafter import published_weights
+from pipeline.models.provision import fingerprint, hub_snapshot, is_local, model_fingerprint
 
 STAGES = ("distill", "pretrain", "finetune", "eval")  # the pipeline: `make all` and Slurm's chain
 EXPORT = "export"  # after a finetune, on demand: the drafter in the forms transformers and vLLM serve
@@ -112,6 +120,7 @@ class StageDir:
     inputs: dict[str, "StageDir"] = field(default_factory=dict)
     # an input distill of distill.num_shards > 1: its shards' directories (``path`` is the folder holding them)
     shards: list["StageDir"] = field(default_factory=list)
+    contents: dict[str, str] = field(default_factory=dict)  # input_contents: in the hash, recorded in the manifest
 
     @property
     def parts(self) -> list["StageDir"]:
@@ -129,10 +138,19 @@ class StageDir:
     def is_complete(self) -> bool:
         return self.marker.exists()
 
+    def recorded(self) -> dict:
+        return json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else {}
+
     def recorded_hash(self) -> str | None:
-        if not self.manifest_path.exists():
-            return None
-        return json.loads(self.manifest_path.read_text()).get("config_hash")
+        return self.recorded().get("config_hash")
+
+    def changed_contents(self) -> str:
+        """What the recorded input contents differ in from the current ones, for a conflict's message."""
+        recorded = self.recorded().get("input_contents")
+        if recorded is None:
+            return "made before input contents were recorded"
+        changed = [f"{what} {recorded.get(what)} -> {now}" for what, now in self.contents.items() if recorded.get(what) != now]
+        return f"changed: {', '.join(changed)}" if changed else "another config"
 
     @property
     def lock_path(self) -> Path:
@@ -169,8 +187,9 @@ class StageDir:
             if not force:
                 state = "complete" if self.is_complete() else "partial"
                 raise StageConflictError(
-                    f"{self.path} holds {state} {self.stage} results of another config "
-                    f"(hash {recorded} != {self.config_hash}); pass force=true to move them aside and redo the stage"
+                    f"{self.path} holds {state} {self.stage} results of another config or other inputs "
+                    f"(hash {recorded} != {self.config_hash}; {self.changed_contents()}); pass force=true to move "
+                    "them aside and redo the stage"
                 )
             aside = self.path.with_name(f"{self.path.name}.replaced-{recorded}")
             if aside.exists():
@@ -188,7 +207,7 @@ class StageDir:
         write_atomic(self.marker, self.config_hash + "\n")
 
     def _write_manifest(self, cfg: DictConfig, status: str, counts: dict[str, Any] | None = None) -> None:
-        previous = json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else {}
+        previous = self.recorded()
         manifest = {
             "stage": self.stage,
             "status": status,
@@ -200,6 +219,7 @@ class StageDir:
             "started_at": previous.get("started_at", time.strftime("%Y-%m-%dT%H:%M:%S%z")),
             "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "inputs": {name: {"path": str(d.path), "config_hash": d.config_hash} for name, d in self.inputs.items()},
+            "input_contents": self.contents,
             "counts": counts or previous.get("counts", {}),
             "config": sections(cfg, STAGE_SECTIONS[self.stage]),
         }
@@ -249,7 +269,9 @@ def distill_input(cfg: DictConfig, check_inputs: bool) -> StageDir:
     shards = [stage_dir(OmegaConf.merge(cfg, {"distill": {"shard": shard}}), "distill", check_inputs)
               for shard in range(cfg.distill.num_shards)]
     keys = [key for key in hashed_keys(cfg, "distill") if key != "distill.shard"]
-    return StageDir(stage="distill", path=shard_set_path(cfg), config_hash=config_hash(cfg, keys), shards=shards)
+    contents = input_contents(cfg, "distill")
+    return StageDir(stage="distill", path=shard_set_path(cfg), config_hash=config_hash(cfg, keys, contents),
+                    shards=shards, contents=contents)
 
 
 def check_shards(cfg: DictConfig, stage: str, distill: StageDir) -> None:
@@ -288,11 +310,41 @@ def stage_dir(cfg: DictConfig, stage: str, check_inputs: bool = True) -> StageDi
                 )
             if upstream.recorded_hash() != upstream.config_hash:
                 raise StageInputError(
-                    f"{stage} needs {upstream.path} for the current config, but it was made with another one: "
-                    f"run `{make_command(cfg, name)}` with force=true"
+                    f"{stage} needs {upstream.path} for the current config and inputs, but it was made with other "
+                    f"ones ({upstream.changed_contents()}): run `{make_command(cfg, name)}` with force=true"
                 )
-    digest = config_hash(cfg, hashed_keys(cfg, stage), {name: d.config_hash for name, d in inputs.items()})
-    return StageDir(stage=stage, path=stage_path(cfg, stage, digest), config_hash=digest, inputs=inputs)
+    contents = input_contents(cfg, stage)
+    digest = config_hash(cfg, hashed_keys(cfg, stage), {name: d.config_hash for name, d in inputs.items()} | contents)
+    return StageDir(stage=stage, path=stage_path(cfg, stage, digest), config_hash=digest, inputs=inputs,
+                    contents=contents)
+
+
+def prompts_file(cfg: DictConfig) -> Path | None:
+    """The local file the pair's prompts are read from (pipeline/data/sources.py load_sources), if any."""
+    data, hub = cfg.data, cfg.lang.hub
+    if data.sources == SourceKind.offline or (data.sources == SourceKind.hub and hub.dataset):
+        return None
+    name = data.source_file or hub.file
+    if not name or not Path(name).is_file():
+        raise ConfigError(f"prompts file {name} does not exist: set data.source_file (or lang.hub.file) to a JSONL "
+                          "or TSV file")
+    return Path(name)
+
+
+def input_contents(cfg: DictConfig, stage: str) -> dict[str, str]:
+    """The fingerprints (provision.fingerprint) of what a stage reads besides its input stages: the target's
+    weights (every stage), the drafter's published weights, the prompts file (distill, and eval's held-out prompts)
+    and eval.drafter_path. A hub id without a revision is taken at the commit the HF cache holds, as loaded."""
+    contents = {"target weights": model_fingerprint(cfg.target, cfg.paths.models_dir)}
+    if "drafter" in STAGE_SECTIONS[stage] and (weights := published_weights(cfg.drafter)):
+        contents["drafter weights"] = fingerprint(weights if is_local(weights) else hub_snapshot(weights, None))
+    if stage in ("distill", "eval") and (prompts := prompts_file(cfg)):
+        contents["prompts file"] = fingerprint(prompts)
+    if stage == "eval" and cfg.eval.drafter_path:
+        if not Path(cfg.eval.drafter_path).is_dir():
+            raise ConfigError(f"eval.drafter_path {cfg.eval.drafter_path} is not a folder: set it to an HF folder")
+        contents["eval.drafter_path"] = fingerprint(cfg.eval.drafter_path)
+    return contents
 
 
 def hashed_keys(cfg: DictConfig, stage: str) -> list[str]:

@@ -196,3 +196,68 @@ def test_a_second_run_of_a_stage_is_refused_before_anything_moves_and_force_incl
         first.finish(ci_cfg, {})
     with second.claim():  # released by the first holder
         assert not second.begin(ci_cfg)  # complete: skipped
+
+
+def local_inputs(tmp_path, runs_dir, *extra):
+    """A config reading a local target folder and a local prompts file (fabricated: no model is loaded)."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text('{"model_type": "llama"}\n')
+    (target / "model.safetensors").write_bytes(b"weights")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"src": "Guten Morgen, wie geht es dir heute?", "ref": "Good morning, how are you today?"}\n')
+    cfg = compose_config(["recipe=ci", f"paths.runs_dir={runs_dir}", "target.source=local", f"target.path={target}",
+                          "data.sources=file", f"data.source_file={prompts}", *extra])
+    return cfg, target, prompts
+
+
+@pytest.mark.parametrize("change", ["prompts file", "target weights"])
+def test_changed_prompts_or_target_weights_do_not_reuse_a_complete_stage(tmp_path, runs_dir, change):
+    """The same config over other contents: the complete distill is refused in one line naming what changed
+    (force=true keeps it aside), finetune sees its distill as made for other inputs, and a pretraining (which
+    reads the target, not the prompts) of other weights gets a folder of its own."""
+    cfg, target, prompts = local_inputs(tmp_path, runs_dir)
+    for stage in ("distill", "pretrain"):
+        directory = stage_dir(cfg, stage)
+        assert directory.begin(cfg)
+        directory.finish(cfg, {})
+    pretrain = stage_dir(cfg, "pretrain").path
+    assert not stage_dir(cfg, "distill").begin(cfg)  # the same contents: skipped
+
+    if change == "prompts file":
+        prompts.write_text(prompts.read_text() + '{"src": "Das Wetter ist heute schön.", "ref": "The weather is nice."}\n')
+    else:
+        (target / "model.safetensors").write_bytes(b"other weights")
+    with pytest.raises(StageConflictError, match=f"changed: {change} ") as refused:
+        stage_dir(cfg, "distill").begin(cfg)
+    assert "\n" not in str(refused.value) and "pass force=true" in str(refused.value)
+    with pytest.raises(StageInputError, match=f"changed: {change} .* with force=true"):
+        stage_dir(cfg, "finetune")
+    assert (stage_dir(cfg, "pretrain").path == pretrain) == (change == "prompts file")
+    old = stage_dir(cfg, "distill", check_inputs=False)
+    recorded = old.recorded_hash()
+    assert old.begin(cfg, force=True)
+    assert (old.path.with_name(f"de-en.replaced-{recorded}") / MARKER).exists()
+
+
+def test_eval_hash_follows_the_contents_of_eval_drafter_path(tmp_path, runs_dir):
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text('{"model_type": "llama"}\n')
+    (drafter / "model.safetensors").write_bytes(b"drafter")
+    cfg, _, _ = local_inputs(tmp_path, runs_dir, f"eval.drafter_path={drafter}")
+    before = stage_dir(cfg, "eval").config_hash
+    (drafter / "model.safetensors").write_bytes(b"retrained drafter")
+    assert stage_dir(cfg, "eval").config_hash != before
+    with pytest.raises(ConfigError, match="eval.drafter_path .* is not a folder"):
+        stage_dir(OmegaConf.merge(cfg, {"eval": {"drafter_path": str(tmp_path / "typo")}}), "eval")
+
+
+def test_a_distill_resume_refuses_records_of_another_target_revision(tmp_path):
+    from pipeline.stages.distill import load_records
+
+    (tmp_path / "attempt-000.jsonl").write_text(json.dumps({"id": "a", "temperature": 0.0, "sample": 0,
+                                                            "revision": "sha256:0123456789abcdef"}) + "\n")
+    assert len(load_records(tmp_path, "sha256:0123456789abcdef")) == 1
+    with pytest.raises(StageConflictError, match="would mix two models; pass force=true"):
+        load_records(tmp_path, "sha256:fedcba9876543210")

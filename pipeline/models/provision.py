@@ -19,6 +19,7 @@ config and tokenizer files are downloaded.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -73,6 +74,24 @@ def go_offline() -> None:
 def is_local(name: str) -> bool:
     """A model or dataset named by a folder on disk (tests' stand-ins, a user's copy), not a hub id."""
     return Path(name).expanduser().exists()
+
+
+def check_model_name(name: str, key: str, hub: bool = True) -> None:
+    """``name``, the model of config ``key``, is a folder on disk or (``hub``: where the hub may serve it) could be
+    a hub id; else one line naming the key, before the hub client refuses a missing path as a malformed repo id."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if is_local(name):
+        return
+    if hub:
+        try:
+            validate_repo_id(name)
+            return
+        except HFValidationError:
+            pass
+    raise ModelNotFoundError(f"{key}={name}: no such folder{' and not a hub id' if hub else ''}; set {key} to an HF "
+                             f"model folder{' or a hub id (org/name)' if hub else ''}")
 
 
 # The files of a hub repo that hold weights: a stand-in (dry run) needs none of them, a model one format.
@@ -148,6 +167,42 @@ def verify_checksums(folder: str | Path) -> None:
             raise ModelNotFoundError(
                 f"{folder / name} does not match its checksum; delete {folder} and it is converted again"
             )
+
+
+@functools.lru_cache(maxsize=64)
+def _file_fingerprint(path: str, size: int, mtime_ns: int) -> str:
+    return "sha256:" + _sha256(Path(path))[:16]
+
+
+def fingerprint(path: str | Path) -> str:
+    """What identifies a file's or a model folder's contents, cheaply enough for every stage's hash: a file's
+    sha256 (once per process); a hub snapshot's commit (its folder's name); the hash of a folder's checksums.json
+    (one this module wrote, verified on every load); else of its config.json with its files' names, sizes and
+    modification times (reading a 7B model's 14 GB on every stage would take minutes)."""
+    path = Path(path)
+    if path.is_file():
+        stat = path.stat()
+        return _file_fingerprint(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if path.parent.name == "snapshots":  # $HF_HOME/hub/models--org--name/snapshots/<commit>
+        return path.name
+    if (path / CHECKSUMS).exists():
+        return "sha256:" + hashlib.sha256((path / CHECKSUMS).read_bytes()).hexdigest()[:16]
+    digest = hashlib.sha256((path / "config.json").read_bytes() if (path / "config.json").exists() else b"")
+    for file in sorted(path.rglob("*")):
+        relative = file.relative_to(path)
+        if file.is_file() and not any(part.startswith(".") for part in relative.parts):
+            stat = file.stat()
+            digest.update(f"{relative}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return "files:" + digest.hexdigest()[:16]
+
+
+def model_fingerprint(model: DictConfig, models_dir: str | Path) -> str:
+    """``fingerprint`` of a model's own weights (``weights_path``: downloads or converts them if need be), without
+    hashing a converted folder's files again: every load verifies them."""
+    converted = Path(models_dir).resolve() / model.name
+    if model.source == ModelSource.gguf_package and (converted / CHECKSUMS).exists():
+        return fingerprint(converted)
+    return fingerprint(weights_path(model, models_dir))
 
 
 def packaged_gguf(package: str, filename: str | None, work_dir: Path) -> Path:

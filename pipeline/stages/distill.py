@@ -29,12 +29,9 @@ K modulo N (``shard_of``), into a stage directory of its own; finetune reads the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import os
-import signal
-import sys
 import time
 from collections import Counter
 from contextlib import nullcontext
@@ -48,14 +45,14 @@ from pipeline.data import back_translation
 from pipeline.data.sources import Example, load_sources
 from pipeline.durable import write_atomic
 from pipeline.jsonl import BackgroundJsonl, read_jsonl
-from pipeline.models.provision import CHECKSUMS, load_tokenizer, model_path
+from pipeline.models.provision import load_tokenizer, model_fingerprint, model_path
 from pipeline.prompts import build_prompt, prompt_ids, stop_strings, stop_token_ids
-from pipeline.rundir import StageDir, make_command, shard_args
+from pipeline.rundir import StageConflictError, StageDir, make_command, shard_args
 from pipeline.serving.client import TargetClient, failure_cause, is_transient
 from pipeline.serving.server import (Endpoint, ServingError, VLLMServer, check_model_folder, data_parallel_size,
                                      served_dtype, target_server)
 from pipeline.tracking import Tracker
-from pipeline.training.loop import EXIT_PREEMPTED
+from pipeline.training.loop import exit_on_preemption
 
 RECORDS_DIR = "records"
 BACK_TRANSLATIONS_DIR = "back_translations"  # the reverse pair's records (data.back_translation)
@@ -75,13 +72,18 @@ def record_key(record: dict) -> Key:
     return record["id"], float(record["temperature"]), int(record["sample"])
 
 
-def load_records(records_dir: Path) -> dict[Key, dict]:
+def load_records(records_dir: Path, revision: str | None = None) -> dict[Key, dict]:
+    """Every record of ``records_dir``; with ``revision`` (a resume), each must have been answered by that target."""
     records: dict[Key, dict] = {}
     for shard in sorted(records_dir.glob("*.jsonl")):
         for record in read_jsonl(shard):
             key = record_key(record)
             if key in records:
                 raise ServingError(f"{shard} repeats record {key}; the records of {records_dir} are corrupt")
+            if revision is not None and record.get("revision") != revision:
+                raise StageConflictError(
+                    f"{shard} holds records of target revision {record.get('revision')}, not of the current "
+                    f"{revision}: a resume would mix two models; pass force=true to move them aside and distill again")
             records[key] = record
     return records
 
@@ -96,14 +98,6 @@ def request_seed(base_seed: int, key: Key) -> int:
     """A per-request seed, so a rerun (or a resumed run) samples the same answer, batching noise aside."""
     digest = hashlib.sha256(f"{base_seed}:{key[0]}:{key[1]}:{key[2]}".encode()).digest()
     return int.from_bytes(digest[:4], "big") >> 1  # vLLM takes a signed 32-bit seed
-
-
-def model_revision(target: DictConfig, folder: str) -> str | None:
-    """The configured revision, or the hash of a converted model's checksums (its content's identity)."""
-    if target.revision:
-        return target.revision
-    checksums = Path(folder) / CHECKSUMS
-    return "sha256:" + hashlib.sha256(checksums.read_bytes()).hexdigest()[:16] if checksums.exists() else None
 
 
 @dataclass
@@ -193,26 +187,11 @@ def serve(cfg: DictConfig, folder: str, stage_path: Path, replicas: int):
 
 
 def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
-    with stop_on_preemption(directory.path):  # the stage's lock is held by its caller (StageDir.claim)
+    # SIGTERM/SIGUSR1 (Slurm's preemption and warning): the requests in flight are cancelled, the records already
+    # answered are written and fsynced, the server is stopped, and the same command asks only the rest.
+    with exit_on_preemption(f"distill: the finished records are in {directory.path / RECORDS_DIR}: run the same "
+                            "command again to ask the rest"):  # the stage's lock is held by its caller (StageDir.claim)
         return _run_locked(cfg, directory.path, tracker)
-
-
-@contextlib.contextmanager
-def stop_on_preemption(path: Path):
-    """SIGTERM/SIGUSR1 (Slurm's preemption and warning) end the stage with exit 75, as training and eval do: the
-    requests in flight are cancelled, the records already answered are written and fsynced, the server is
-    stopped, and the same command asks only the rest."""
-    def stop(signum, frame):
-        print(f"distill: stopped by signal {signum}; the finished records are in {path / RECORDS_DIR}: run the "
-              "same command again to ask the rest", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_PREEMPTED)
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _jobs(examples: list[Example], done: dict[Key, dict], cfg: DictConfig, lang: DictConfig, tokenizer,
@@ -236,6 +215,8 @@ def _jobs(examples: list[Example], done: dict[Key, dict], cfg: DictConfig, lang:
 
 def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
     folder = model_path(cfg.target, cfg.paths.models_dir)
+    # recorded per record, compared on resume: the fingerprint of the stage's hash (a hub commit, not "main")
+    revision = model_fingerprint(cfg.target, cfg.paths.models_dir)
     check_model_folder(folder)
     tokenizer = load_tokenizer(folder)
     stop_ids = stop_token_ids(cfg.target, tokenizer)
@@ -252,7 +233,7 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
     reverse_keys, reverse_jobs = [], []
     if cfg.data.back_translation:
         reverse_dir.mkdir(exist_ok=True)
-        reverse_keys, reverse_jobs = _jobs(back_translation.segments(cfg), load_records(reverse_dir), cfg,
+        reverse_keys, reverse_jobs = _jobs(back_translation.segments(cfg), load_records(reverse_dir, revision), cfg,
                                            reverse_lang, tokenizer, [0.0], back_translation.shots(cfg.lang))
 
     def training_jobs() -> tuple[list[Example], list[Key], list[Job], Counter]:
@@ -261,7 +242,7 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
             added, rejected = back_translation.new_sources(list(load_records(reverse_dir).values()), cfg,
                                                            {ex.id for ex in train + heldout})
         examples = train + added
-        return (examples, *_jobs(examples, load_records(records_dir), cfg, cfg.lang, tokenizer,
+        return (examples, *_jobs(examples, load_records(records_dir, revision), cfg, cfg.lang, tokenizer,
                                  cfg.distill.temperatures), rejected)
 
     examples, keys, jobs, _ = training_jobs()
@@ -282,7 +263,6 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
         out = BackgroundJsonl(records_dir / f"attempt-{len(list(records_dir.glob('*.jsonl'))):03d}.jsonl")
         reverse_out = BackgroundJsonl(reverse_dir / f"attempt-{len(list(reverse_dir.glob('*.jsonl'))):03d}.jsonl")
         failures = BackgroundJsonl(path / FAILURES_FILE)
-        revision = model_revision(cfg.target, folder)
         try:
             with serve(cfg, folder, path, replicas) as server:
                 endpoint = server.endpoint if server else Endpoint(
