@@ -25,10 +25,41 @@ def cut_torn_tail(path: Path) -> bytes:
     return complete
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The complete lines of an append-only JSONL file (cut_torn_tail)."""
+def append_whole(handle, data: bytes) -> None:
+    """``data`` at the end of the unbuffered ``handle``, or none of it: a short write (a full disk) is cut off
+    again, so a failed append leaves no torn line, and no buffered rest that a later flush would write."""
+    start = handle.seek(0, os.SEEK_END)
+    try:
+        rest = memoryview(data)
+        while rest:
+            rest = rest[handle.write(rest):]
+    except BaseException:
+        handle.truncate(start)
+        raise
+
+
+class CorruptLineError(ValueError):
+    """A line of a JSONL file that is not JSON; the message names path:line."""
+
+
+def json_line(path: Path, number: int, line: bytes | str):
+    """Line ``number`` of ``path``, parsed; a corrupt one refused in one line naming path:line."""
+    try:
+        return json.loads(line.decode() if isinstance(line, bytes) else line)
+    except ValueError as exc:  # not JSON, or not UTF-8
+        reason = getattr(exc, "msg", None) or type(exc).__name__
+        raise CorruptLineError(f"{path}:{number}: not a JSON line ({reason}); repair or delete that line") from None
+
+
+def parse_jsonl(path: Path, data: bytes) -> list:
+    """Every non-blank line of ``data``, the contents of ``path``, parsed (json_line)."""
     # split at "\n" only: str.splitlines would also cut at U+2028 and the like, which JSON keeps raw in answers
-    return [json.loads(line) for line in cut_torn_tail(path).decode().split("\n") if line.strip()]
+    return [json_line(path, number, line) for number, line in enumerate(data.split(b"\n"), 1) if line.strip()]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The complete lines of an append-only JSONL file (cut_torn_tail); only the last line may be torn."""
+    return parse_jsonl(path, cut_torn_tail(path))
 
 
 class AppendOnlyJsonl:
@@ -40,9 +71,8 @@ class AppendOnlyJsonl:
     def append(self, record: dict) -> None:
         if self.handle is None:
             cut_torn_tail(self.path)
-            self.handle = self.path.open("a")
-        self.handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self.handle.flush()
+            self.handle = self.path.open("ab", buffering=0)
+        append_whole(self.handle, (json.dumps(record, ensure_ascii=False) + "\n").encode())
         os.fsync(self.handle.fileno())
 
     def close(self) -> None:
@@ -101,16 +131,16 @@ class BackgroundJsonl:
                 while not self.rows.empty():
                     batch.append(self.rows.get())
                 closing = any(row is self._CLOSE for row in batch)
-                lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in batch if row is not self._CLOSE)
+                lines = "".join(json.dumps(row, ensure_ascii=False) + "\n"
+                                for row in batch if row is not self._CLOSE).encode()
                 if lines:
                     if handle is None:
                         created = not self.path.exists()
                         cut_torn_tail(self.path)
-                        handle = self.path.open("a")
+                        handle = self.path.open("ab", buffering=0)
                         if created:
                             fsync_dir(self.path.parent)  # the new file's name survives a crash too
-                    handle.write(lines)
-                    handle.flush()
+                    append_whole(handle, lines)
                     unsynced = True
                 if unsynced and (closing or time.monotonic() >= last_sync + self.sync_every_s):
                     os.fsync(handle.fileno())

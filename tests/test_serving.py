@@ -144,18 +144,24 @@ def test_a_stop_token_ends_the_answer_and_finetuning_trains_on_it(vllm_server, s
     assert without_ids["input_ids"][-1] == stop_id and without_ids["input_ids"][: len(ids)] == ids
 
 
-def test_the_key_is_in_no_command_line_and_the_server_requires_it(vllm_server):
-    """Every user of a node can read /proc/PID/cmdline: the key goes to vLLM through its environment only."""
-    import urllib.error
-    import urllib.request
-
-    key = vllm_server.endpoint.api_key.encode()
+def command_lines() -> list[bytes]:
+    """Every process's /proc/PID/cmdline, which every user of the node can read."""
     lines = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             lines.append(cmdline.read_bytes())
         except OSError:  # the process ended meanwhile
             continue
+    return lines
+
+
+def test_the_key_is_in_no_command_line_and_the_server_requires_it(vllm_server):
+    """Every user of a node can read /proc/PID/cmdline: the key goes to vLLM through its environment only."""
+    import urllib.error
+    import urllib.request
+
+    key = vllm_server.endpoint.api_key.encode()
+    lines = command_lines()
     assert any(b"vllm.entrypoints.openai.api_server" in line for line in lines)
     assert not [line for line in lines if key in line]
     models = f"{vllm_server.endpoint.url}/models"
