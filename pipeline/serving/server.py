@@ -148,7 +148,7 @@ class VLLMServer:
     def _launch(self, port: int) -> None:
         self.port = port
         command = [
-            sys.executable, "-m", "pipeline.serving.reaper", str(os.getpid()),
+            sys.executable, "-m", "pipeline.reaper", str(os.getpid()),
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model, "--served-model-name", self.served_name,
             "--host", "127.0.0.1", "--port", str(port),

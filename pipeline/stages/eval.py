@@ -92,7 +92,7 @@ from pipeline.speculative.metrics import measure, method_stats, speedup, timed
 from pipeline.speculative.router import LanguageRouter
 from pipeline.speculative.sampler import Sampling
 from pipeline.training.launch import WORKER_ERRORS, WORKER_ERRORS_ENV, report_error, worker_error
-from pipeline.training.loop import EXIT_PREEMPTED, preemption_signals
+from pipeline.training.loop import EXIT_PREEMPTED, exit_on_preemption, preemption_signals
 
 METHODS = (*EVAL_METHODS, "router")
 MODEL_DRAFTED = ("speculative", "hybrid", "router")  # the methods that pay drafter steps
@@ -174,6 +174,7 @@ class Prompts:
         return [(pair, t, seed, example.id) for t, pair, seed, _ in blocks for example, _ in self.by_pair[pair]]
 
 
+@exit_on_preemption("eval: stopped; every finished prompt is kept: run the same command again to measure the rest")
 def run(cfg: DictConfig, directory, tracker) -> dict:
     if cfg.eval.engine == "vllm":  # vLLM's own speculative decoding
         from pipeline.speculative import vllm_engine

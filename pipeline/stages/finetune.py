@@ -37,6 +37,7 @@ from pipeline.training.on_policy import rollout_stop_ids, split_heldout
 EXAMPLES, HELDOUT = "examples/train.npz", "examples/heldout.npz"  # in the stage folder: tokenized by the stage
 
 
+@loop.exit_on_preemption("finetune: stopped; run the same command again to continue from the last checkpoint")
 def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
     counts = tokenize(cfg, directory)  # in this process, before any training process starts
     return {**run_training(cfg, "finetune", directory, tracker), **counts}

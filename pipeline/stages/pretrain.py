@@ -23,6 +23,7 @@ from pipeline.training.data import pack, read_pretrain_tokens, token_counts, wri
 from pipeline.training.launch import MetricsLog, run_training
 
 
+@loop.exit_on_preemption("pretrain: stopped; run the same command again to continue from the last checkpoint")
 def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
     target_path = model_path(cfg.target, cfg.paths.models_dir)
     if weights := published_weights(cfg.drafter):  # the compatibility gate, before any tokenizing

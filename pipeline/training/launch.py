@@ -6,7 +6,8 @@
     accelerate launch --config_file recipes/launch/<launch>.yaml --num_processes N \\
         $SPECDRAFT_LAUNCH_ARGS -m pipeline.training.launch STAGE <stage dir>/launch_config.yaml
 
-whose processes run the same ``pipeline.stages.<stage>.train``; multi-node jobs put
+under ``pipeline.reaper``, which kills the launcher and its workers if the stage dies (even by SIGKILL).
+Its processes run the same ``pipeline.stages.<stage>.train``; multi-node jobs put
 ``--num_machines/--machine_rank/--main_process_ip`` in ``SPECDRAFT_LAUNCH_ARGS`` (slurm/ does, from
 SLURM_* variables). Both ways write the same outputs: the drafter folder, ``metrics.jsonl`` (one line
 per logged step, replayed into the stage's tracker) and the counts for the manifest.
@@ -90,6 +91,8 @@ def accelerate_command(cfg: DictConfig, stage: str, config_file: Path) -> list[s
     # a free port, not a fixed one: two trainings on one node would otherwise join each other's process group
     port = [] if "--main_process_port" in extra else ["--main_process_port", str(free_port())]
     return [
+        # the reaper kills the launcher and its workers if the stage dies (kill -9): no trainer left behind
+        sys.executable, "-m", "pipeline.reaper", str(os.getpid()),
         sys.executable, "-m", "pipeline.training.launcher",  # accelerate launch, less its traceback
         "--config_file", str(option_file("launch", tc.launch)),
         "--num_processes", str(processes(cfg, stage)),
@@ -112,22 +115,23 @@ def launch_env(launch: str) -> dict[str, str]:
     return os.environ | {"ACCELERATE_USE_CPU": "1"}
 
 
-def stop_workers(launcher: subprocess.Popen) -> None:
+def stop_workers(reaper: subprocess.Popen) -> None:
     """Pass a preemption on to the training processes: each checkpoints at the end of its step and exits.
 
     Not to the launcher: torchrun answers SIGTERM by signalling its workers and SIGKILLs them 30 s later,
-    which can cut a large model's checkpoint short. The workers are the launcher's children (torchrun
-    starts each in its own session). Before they exist the launcher itself is stopped.
+    which can cut a large model's checkpoint short. The workers are the children of the launcher, the
+    reaper's child (torchrun starts each in its own session). Before they exist the launcher itself is
+    stopped (the reaper, leader of their process group, ignores SIGTERM).
     """
     import psutil
 
     try:
-        workers = psutil.Process(launcher.pid).children()
+        workers = [worker for launcher in psutil.Process(reaper.pid).children() for worker in launcher.children()]
     except psutil.NoSuchProcess:
         return
     if not workers:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(launcher.pid, signal.SIGTERM)
+            os.killpg(reaper.pid, signal.SIGTERM)
     for worker in workers:
         with contextlib.suppress(psutil.NoSuchProcess):
             worker.send_signal(signal.SIGTERM)
@@ -169,6 +173,7 @@ def run_training(cfg: DictConfig, stage: str, directory: StageDir, tracker: Trac
     shutil.rmtree(errors_dir, ignore_errors=True)
     env = launch_env(tc.launch) | {WORKER_ERRORS_ENV: str(errors_dir)}
     # Its own session: a Ctrl-C in the terminal reaches the stage only, which stops the workers once.
+    # The stage's death (kill -9 too) reaches the reaper at its head, which kills them all.
     child = subprocess.Popen(accelerate_command(cfg, stage, config_file), env=env, start_new_session=True)
     received = []
 
