@@ -15,6 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import USER_CONFIG_ENV, ConfigError, compose_config, options
+from pipeline.jsonl import CorruptLineError
 from pipeline.models.provision import ModelNotFoundError
 from pipeline.models.vocab import TokenizerMismatchError
 from pipeline.rundir import StageConflictError, StageInputError, stage_dir
@@ -23,7 +24,7 @@ from pipeline.speculative import AcceptanceMismatchError, LosslessError
 from pipeline.tracking import stage_tracker
 
 USER_ERRORS = (ConfigError, StageInputError, StageConflictError, ModelNotFoundError, FileNotFoundError, TokenizerMismatchError,
-               ServingError, LosslessError, AcceptanceMismatchError)
+               ServingError, LosslessError, AcceptanceMismatchError, CorruptLineError)
 
 # command -> (what it does, the keys most used with it); every command also takes the common keys
 COMMANDS = {

@@ -25,8 +25,8 @@ from pipeline.data.sources import cached_sources, hub_sources, load_sources
 from pipeline.durable import write_atomic
 from pipeline.evaluation import lang_config
 from pipeline.models.drafter import published_weights
-from pipeline.models.provision import (NotPreparedError, cached_snapshot, download_snapshot, go_offline, hub_offline,
-                                       is_local, load_tokenizer, model_path, prepare_hint)
+from pipeline.models.provision import (NotPreparedError, cached_snapshot, check_model_name, download_snapshot, go_offline,
+                                       hub_offline, is_local, load_tokenizer, model_path, prepare_hint)
 from pipeline.training.data import READ_FILE, pretrain_cache, write_pretrain_tokens
 
 PREPARED_DIR = "prepared"
@@ -89,8 +89,18 @@ def _pretrain_need(cfg: DictConfig, corpora: list[str], target: Need | None) -> 
     return Need("pretraining tokens", ", ".join(corpora), cached, fetch)
 
 
+def check_model_names(cfg: DictConfig) -> None:
+    """Each model folder ``cfg`` names exists, or the name could be a hub id where the hub may serve it."""
+    for key in ("target", "drafter"):
+        if cfg[key].source in (ModelSource.hub, ModelSource.local):
+            check_model_name(cfg[key].path, f"{key}.path", hub=cfg[key].source == ModelSource.hub)
+    if cfg.drafter.init_from:
+        check_model_name(cfg.drafter.init_from, "drafter.init_from")
+
+
 def needs(cfg: DictConfig) -> list[Need]:
     """What ``cfg`` takes from the hub (or, for the rows and tokens, from a local copy `make prepare` keeps)."""
+    check_model_names(cfg)
     target = cfg.target
     target_need = None
     if target.source == ModelSource.hub and not is_local(target.path):  # a stand-in reads only config and tokenizer

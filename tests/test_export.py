@@ -85,6 +85,24 @@ def test_exported_drafter_keeps_its_distribution_and_tied_weights(exported):
     assert sum(p.numel() for p in loaded.parameters()) == sum(p.numel() for p in drafter.parameters())
 
 
+def test_the_package_class_loads_the_export_without_its_remote_code_in_the_dtype_asked(exported):
+    """The README's way: specdraft's own class, no code from the folder run, in the dtype the drafter is served in."""
+    from pipeline.models.modeling_specdraft import SpecdraftDrafterForCausalLM
+
+    folder = exported["dir"] / "export"
+    remote = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    (folder / "modeling_specdraft.py").write_text("raise SystemExit('remote code ran')\n")  # must not be needed
+    loaded = {dtype: SpecdraftDrafterForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+              for dtype in (torch.float32, torch.bfloat16)}
+    for dtype, model in loaded.items():
+        assert type(model).__module__ == "pipeline.models.modeling_specdraft"
+        assert {p.dtype for p in model.parameters()} == {dtype}
+    ids = torch.randint(0, TARGET_VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded[torch.float32](input_ids=ids).logits, remote(input_ids=ids).logits,
+                                   rtol=0, atol=0)
+
+
 def test_target_assisted_by_the_exported_drafter_decodes_its_own_greedy_tokens(exported):
     target, tokenizer = exported["target"], exported["tokenizer"]
     loaded = AutoModelForCausalLM.from_pretrained(exported["dir"] / "export", trust_remote_code=True).eval()

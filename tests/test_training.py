@@ -223,13 +223,15 @@ def test_token_strings_read_alike_decoding_ids_as_the_one_the_model_writes(gemma
 
 def test_checkpoint_of_another_process_count_resumes_unless_deepspeed_wrote_or_reads_it(tmp_path):
     tc = train_config(max_steps=2, save_every=1)
-    run(tc, counting_examples(n=8), tmp_path)
-    checkpoint = loop.latest_checkpoint(tmp_path)
+    stage_path = tmp_path / "finetune" / "0123456789abcdef"  # as a run directory lays it out
+    stage_path.mkdir(parents=True)
+    run(tc, counting_examples(n=8), stage_path)
+    checkpoint = loop.latest_checkpoint(stage_path)
     position = json.loads((checkpoint / loop.STEP_FILE).read_text())
     assert (position["step"], position["processes"], position["deepspeed"]) == (2, 1, False)
     # Whole tensors: any number of DDP (or single) processes loads them.
     loop.check_resumable(checkpoint, position, {"processes": 4, "deepspeed": False, "launch": "ddp"})
-    with pytest.raises(ConfigError, match=r"resume with train\.\w+\.launch=single train\.\w+\.num_processes=1, or start"):
+    with pytest.raises(ConfigError, match=r"resume with train\.finetune\.launch=single train\.finetune\.num_processes=1, or start"):
         loop.check_resumable(checkpoint, position, {"processes": 1, "deepspeed": True, "launch": "deepspeed-zero2"})
     zero = position | {"processes": 8, "deepspeed": True, "launch": "deepspeed-zero2"}
     loop.check_resumable(checkpoint, zero, {"processes": 8, "deepspeed": True, "launch": "deepspeed-zero2"})

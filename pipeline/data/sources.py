@@ -30,6 +30,7 @@ from tqdm import tqdm
 from pipeline.config import ConfigError, SourceKind
 from pipeline.data.sharegpt import iter_texts
 from pipeline.durable import write_atomic
+from pipeline.jsonl import json_line
 from pipeline.models.provision import NotPreparedError, hub_offline, is_local, prepare_hint
 
 SEGMENTS_FILE = "sharegpt_segments.jsonl"
@@ -101,7 +102,10 @@ def _file_examples(path: Path, hub: DictConfig) -> Iterator[Example]:
             if not line.strip():
                 continue
             if path.suffix == ".jsonl":
-                record = json.loads(line)
+                record = json_line(path, number, line)
+                if not isinstance(record, dict) or not isinstance(record.get("src"), str):
+                    raise ConfigError(f"{path}:{number}: a JSONL source line is {{\"src\": TEXT, \"ref\": TEXT}}; "
+                                      "repair or delete that line")
                 src, ref = record["src"], record.get("ref")
             else:
                 columns = line.split("\t")

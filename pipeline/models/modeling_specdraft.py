@@ -40,7 +40,9 @@ class SpecdraftDrafterForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         inner = dict(config.drafter_config)
         inner_config = AutoConfig.for_model(inner.pop("model_type"), **inner)
-        self.drafter = AutoModelForCausalLM.from_config(inner_config, attn_implementation=config._attn_implementation)
+        # the dtype from_pretrained(dtype=...) builds in (its default dtype here); from_config alone would reset it
+        self.drafter = AutoModelForCausalLM.from_config(inner_config, attn_implementation=config._attn_implementation,
+                                                        dtype=torch.get_default_dtype())
         # target id -> drafter id (N for the unmapped ones): the input lookup and, inverted, the output's places
         self.register_buffer("to_drafter", torch.zeros(config.vocab_size, dtype=torch.long))
         self.post_init()

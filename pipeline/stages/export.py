@@ -1,8 +1,9 @@
 """export stage: the finetuned drafter of one language pair as a folder users serve (``make export LANG=...``).
 
 ``<run>/export/drafter/`` holds the drafter in the form transformers loads as ``assistant_model`` (a
-reduced-vocabulary drafter through the remote code of pipeline/models/modeling_specdraft.py, exact: no
-probability off its map), its vLLM form (``vllm/`` for a reduced vocabulary: vLLM's heterogeneous-vocabulary
+reduced-vocabulary drafter as pipeline/models/modeling_specdraft.py's class, which the README imports from the
+package, so that loading it runs no code from the folder; a copy of the module beside the weights serves
+``trust_remote_code=True``; exact: no probability off its map), its vLLM form (``vllm/`` for a reduced vocabulary: vLLM's heterogeneous-vocabulary
 drafting, which ``eval.engine=vllm`` runs and measures), and a README.md with the snippets for both and this
 stage's smoke check, which every export runs on export.num_prompts held-out prompts:
 
@@ -45,12 +46,14 @@ from pipeline.speculative import AcceptanceMismatchError
 from pipeline.speculative.engine import CachedModel, ModelDrafter, generate, hf_generate, top2_gap
 from pipeline.speculative.metrics import alpha_from_tau
 from pipeline.speculative.sampler import Sampling
+from pipeline.training.loop import exit_on_preemption
 
 FOLDER = "drafter"
 SAMPLES = "samples.jsonl"
 NOISE_SE = 4  # |tau_hf - tau_ours| beyond this many standard errors of the difference fails the stage
 
 
+@exit_on_preemption("export: stopped; run the same command again to export")
 def run(cfg: DictConfig, directory, tracker) -> dict:
     ev = cfg.eval
     device = resolve_device(ev.device)
@@ -183,11 +186,10 @@ def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
     folder, smoke, vllm = counts["folder"], counts["smoke_check"], counts["vllm"]
     k, dtype = cfg.eval.num_draft_tokens, cfg.target.dtype
     reduced = counts["reduced_vocab"]
-    what = (f"a reduced-vocabulary drafter: it proposes only {reduced} of the target's tokens; loaded with "
-            "`trust_remote_code=True` (modeling_specdraft.py, in this folder) it reads and writes target token ids, "
+    what = (f"a reduced-vocabulary drafter: it proposes only {reduced} of the target's tokens; loaded as "
+            "specdraft's SpecdraftDrafterForCausalLM (below) it reads and writes target token ids, "
             "and every token outside its vocabulary gets logit -inf (probability 0), so its distribution is exactly the "
             "trained one" if reduced else "a drafter over the target's whole vocabulary: an ordinary causal LM")
-    remote = ", trust_remote_code=True" if reduced else ""
     t1, prompt = smoke["t1"], json.dumps(smoke["example_prompt"])
     lines = [
         f"# {cfg.drafter.name} drafter for {cfg.target.name}, {cfg.lang.pair}",
@@ -204,7 +206,10 @@ def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
         'device = "cuda" if torch.cuda.is_available() else "cpu"',
         f'tokenizer = AutoTokenizer.from_pretrained("{target_path}")',
         f'target = AutoModelForCausalLM.from_pretrained("{target_path}", dtype=torch.{dtype}).to(device)',
-        f'drafter = AutoModelForCausalLM.from_pretrained("{folder}"{remote}, dtype=torch.{dtype}).to(device)',
+        *(["from pipeline.models.modeling_specdraft import SpecdraftDrafterForCausalLM  # pip install specdraft",
+           f'drafter = SpecdraftDrafterForCausalLM.from_pretrained("{folder}", dtype=torch.{dtype}).to(device)']
+          if reduced else
+          [f'drafter = AutoModelForCausalLM.from_pretrained("{folder}", dtype=torch.{dtype}).to(device)']),
         f'inputs = tokenizer({prompt}, add_special_tokens={smoke["example_add_special_tokens"]}, '
         'return_tensors="pt").to(device)',
         f"out = target.generate(**inputs, assistant_model=drafter, max_new_tokens={cfg.eval.max_new_tokens}, "
@@ -212,6 +217,10 @@ def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
         'print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
         "```",
         "",
+        *(["The drafter's class comes from the specdraft package, so loading it runs no code from the folder. "
+           "`AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` loads the same model from the "
+           "folder's modeling_specdraft.py instead: only for a copy you trust, and from the hub only at a pinned "
+           "`revision=` (a commit), so the code you reviewed is the code that runs.", ""] if reduced else []),
         f"The drafter's generation_config.json makes transformers draft K = {k} tokens per round "
         "(`num_assistant_tokens`, constant schedule, no confidence cut); edit it to change K. With `do_sample=True` "
         "the output follows the target's distribution (speculative sampling).",

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from pipeline import prompts
 from pipeline.data.sharegpt import iter_conversations
+from pipeline.jsonl import parse_jsonl
 from pipeline.models.vocab import VocabMap
 
 IGNORE = -100  # torch cross_entropy's ignore_index
@@ -171,8 +172,7 @@ def read_records(records_dir: Path) -> list[dict]:
     """The distill stage's records (contract 1), in file and line order."""
     records = []
     for path in sorted(Path(records_dir).glob("*.jsonl")):
-        with path.open() as handle:
-            records.extend(json.loads(line) for line in handle if line.strip())
+        records.extend(parse_jsonl(path, path.read_bytes()))
     return records
 
 

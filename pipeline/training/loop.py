@@ -21,8 +21,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import pickle
 import shutil
 import signal
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -33,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from omegaconf import DictConfig
+from safetensors import SafetensorError
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 from transformers import get_cosine_schedule_with_warmup
@@ -40,6 +43,7 @@ from transformers import get_cosine_schedule_with_warmup
 from pipeline.config import ConfigError, Loss
 from pipeline.durable import fsync_tree, write_atomic
 from pipeline.models.drafter import save_drafter
+from pipeline.models.provision import ModelNotFoundError
 from pipeline.models.vocab import VocabMap
 from pipeline.training.data import IGNORE, Collator, label_coverage
 
@@ -72,6 +76,9 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
 
 def save_checkpoint(accelerator: Accelerator, out_dir: Path, position: dict) -> None:
     path = out_dir / CHECKPOINTS / f"step-{position['step']:08d}"
+    if accelerator.is_main_process and path.exists():  # a save of this step cut short (kill -9): its files are stale
+        shutil.rmtree(path)
+    accelerator.wait_for_everyone()
     accelerator.save_state(str(path))  # every rank takes part (DeepSpeed shards)
     fsync_tree(path)  # every rank: its own files on disk before step.json declares the checkpoint whole
     accelerator.wait_for_everyone()
@@ -82,6 +89,11 @@ def save_checkpoint(accelerator: Accelerator, out_dir: Path, position: dict) -> 
             if older != path:
                 shutil.rmtree(older)
     accelerator.wait_for_everyone()
+
+
+def checkpoint_stage(checkpoint: Path) -> str:
+    """pretrain or finetune: the stage whose run directory (``<stage>/<hash>/checkpoints/step-N``) holds it."""
+    return next((parent.name for parent in checkpoint.parents if parent.name in ("pretrain", "finetune")), "<stage>")
 
 
 def check_resumable(checkpoint: Path, position: dict, writer: dict) -> None:
@@ -97,13 +109,35 @@ def check_resumable(checkpoint: Path, position: dict, writer: dict) -> None:
     if not (saved["deepspeed"] or writer["deepspeed"]) or (saved["deepspeed"], saved["processes"]) == (
             writer["deepspeed"], writer["processes"]):
         return
-    key = f"train.{checkpoint.parent.parent.name}"  # the stage's directory, pretrain or finetune
+    key = f"train.{checkpoint_stage(checkpoint)}"
     raise ConfigError(
         f"{checkpoint} was written by {saved['processes']} process(es) with launch={saved['launch']}, which "
         f"{writer['processes']} process(es) with launch={writer['launch']} cannot load"
         f"{' (DeepSpeed ZeRO shards its state by process)' if saved['deepspeed'] else ''}: resume with "
         f"{key}.launch={saved['launch']} {key}.num_processes={saved['processes']}, or start over with {key}.resume=never"
     )
+
+
+def load_checkpoint(accelerator: Accelerator, checkpoint: Path, writer: dict) -> dict:
+    """Load ``checkpoint`` into the prepared model and optimizer; returns its position (step.json). A damaged one
+    (a file cut short by a full disk or a copy) is refused in one line naming the fix, and nothing is deleted: an
+    older checkpoint beside it, or the steps it holds, may still be wanted."""
+    try:
+        position = json.loads((checkpoint / STEP_FILE).read_text())
+        check_resumable(checkpoint, position, writer)
+        accelerator.load_state(str(checkpoint))
+    except torch.OutOfMemoryError:
+        raise
+    # what torch, safetensors and accelerate raise for a truncated or missing file
+    except (SafetensorError, OSError, EOFError, pickle.UnpicklingError, json.JSONDecodeError, RuntimeError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        stage = checkpoint_stage(checkpoint)
+        older = [done.parent.name for done in sorted(checkpoint.parent.glob(f"step-*/{STEP_FILE}"))
+                 if done.parent != checkpoint]
+        fix = (f"delete that folder to resume from {older[-1]}" if older else
+               f"delete that folder (or set train.{stage}.resume=never) to train this stage from step 0")
+        raise ModelNotFoundError(f"checkpoint {checkpoint} is damaged ({type(exc).__name__}: {reason}); {fix}") from exc
+    return position
 
 
 @contextlib.contextmanager
@@ -114,6 +148,23 @@ def preemption_signals():
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
         yield received
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def exit_on_preemption(message: str):
+    """SIGTERM/SIGUSR1 end what it wraps (a whole stage) with exit 75 and ``message``, which says what is kept and
+    that the same command continues; where a stage can stop more gently (the training loop, the eval's decodes,
+    the accelerate workers), its own handler takes over inside. Also a decorator."""
+    def stop(signum, frame):
+        print(f"{message} (stopped by {signal.Signals(signum).name})", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_PREEMPTED)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
@@ -227,9 +278,7 @@ def train(
     writer = {"processes": world, "deepspeed": accelerator.state.deepspeed_plugin is not None, "launch": tc.launch}
     checkpoint = latest_checkpoint(out_dir) if tc.resume == "auto" else None
     if checkpoint is not None:
-        position = json.loads((checkpoint / STEP_FILE).read_text())
-        check_resumable(checkpoint, position, writer)
-        accelerator.load_state(str(checkpoint))
+        position = load_checkpoint(accelerator, checkpoint, writer)
         step, tokens_before, last_loss = position["step"], position["tokens_seen"], position["loss"]
         scheduler.last_epoch = step - 1
         with warnings.catch_warnings():  # "step() before optimizer.step()": the optimizer stepped before the save
