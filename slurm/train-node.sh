@@ -33,7 +33,8 @@ try:  # the checks the stage makes on node 0; the hub stays off here too once `m
     check_slurm_gpus()
     offline_when_prepared(cfg)
     OmegaConf.save(cfg, config_file, resolve=True)
-    command = accelerate_command(cfg, stage, config_file)
+    # exec'\''d into the reaper below, so it watches this node'\''s shell (the srun task), not itself
+    command = accelerate_command(cfg, stage, config_file, stage_pid=os.getppid())
 except USER_ERRORS as exc:
     sys.exit(f"error: {exc}")
 os.execve(command[0], command, launch_env(cfg.train[stage].launch))

@@ -276,11 +276,12 @@ def _train(ctx, out_dir: Path, steps: int, save_every: int, compile_model: bool 
     examples = training_examples(shapes, shapes.train["batch_size"] * max(steps, 4))
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
+    # accelerate's state is one per process and keeps its first precision: an Accelerator of another precision
+    # in the same process (an earlier float32 training, this bf16 one, the next check, a test) would refuse to start
+    AcceleratorState._reset_state(reset_partial_state=True)
     try:
         result = loop.train(tc, model, examples, Collator(0, None), out_dir, log, seed=0)
     finally:
-        # accelerate's state is one per process and keeps this run's bf16 precision: a later Accelerator of
-        # another precision in the same process (the next check, or a test) would refuse to start
         AcceleratorState._reset_state(reset_partial_state=True)
     summary = dict(result.summary)
     if ctx.device.type == "cuda":

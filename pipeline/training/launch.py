@@ -85,14 +85,15 @@ def processes(cfg: DictConfig, stage: str) -> int:
     return count
 
 
-def accelerate_command(cfg: DictConfig, stage: str, config_file: Path) -> list[str]:
+def accelerate_command(cfg: DictConfig, stage: str, config_file: Path, stage_pid: int | None = None) -> list[str]:
+    """The launch under the reaper, which ends it when ``stage_pid`` (default: this process) dies."""
     tc = cfg.train[stage]
     extra = shlex.split(os.environ.get("SPECDRAFT_LAUNCH_ARGS", ""))  # multi-node: slurm/train-node.sh's rendezvous
     # a free port, not a fixed one: two trainings on one node would otherwise join each other's process group
     port = [] if "--main_process_port" in extra else ["--main_process_port", str(free_port())]
     return [
         # the reaper kills the launcher and its workers if the stage dies (kill -9): no trainer left behind
-        sys.executable, "-m", "pipeline.reaper", str(os.getpid()),
+        sys.executable, "-m", "pipeline.reaper", str(stage_pid or os.getpid()),
         sys.executable, "-m", "pipeline.training.launcher",  # accelerate launch, less its traceback
         "--config_file", str(option_file("launch", tc.launch)),
         "--num_processes", str(processes(cfg, stage)),
