@@ -6,46 +6,18 @@ groups and the keys most used with that command.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
-import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import USER_CONFIG_ENV, ConfigError, compose_config, options
-from pipeline.jsonl import CorruptLineError
-from pipeline.models.provision import ModelNotFoundError
-from pipeline.models.vocab import TokenizerMismatchError
-from pipeline.rundir import StageConflictError, StageInputError, stage_dir
-from pipeline.serving.server import ServingError
-from pipeline.speculative import AcceptanceMismatchError, LosslessError
-from pipeline.tracking import stage_tracker
-
-USER_ERRORS = (ConfigError, StageInputError, StageConflictError, ModelNotFoundError, FileNotFoundError, TokenizerMismatchError,
-               ServingError, LosslessError, AcceptanceMismatchError, CorruptLineError)
+from pipeline.errors import user_error
+from pipeline.registry import REGISTRY
 
 # command -> (what it does, the keys most used with it); every command also takes the common keys
-COMMANDS = {
-    "distill": ("stage 1: the target answers the training prompts of LANG through vLLM (T 0/0.3/0.7/1.0)",
-                ["distill.temperatures", "distill.max_tokens", "distill.samples_per_prompt", "data.max_train_prompts",
-                 "distill.server.url", "distill.server.tensor_parallel", "distill.server.data_parallel"]),
-    "pretrain": ("stage 2: pretrain the drafter on general text (language independent, shared by every pair)",
-                 ["train.pretrain.token_budget", "train.pretrain.max_steps", "train.pretrain.lr",
-                  "train.pretrain.batch_size", "train.pretrain.launch", "train.pretrain.num_processes",
-                  "train.pretrain.mixed_precision", "data.pretrain_max_documents"]),
-    "finetune": ("stage 3: finetune the drafter on the target's answers for LANG",
-                 ["train.finetune.mode", "train.finetune.epochs", "train.finetune.lr", "train.finetune.batch_size",
-                  "train.finetune.launch", "train.finetune.num_processes", "train.finetune.on_policy.enabled"]),
-    "eval": ("stage 4: acceptance, tau and measured speedup of the drafter against the target on held-out prompts",
-             ["eval.num_draft_tokens", "eval.temperatures", "eval.num_prompts", "eval.methods", "eval.device",
-              "eval.engine", "eval.drafter_path"]),
-    "export": ("the finetuned drafter as a folder transformers and vLLM serve, with a README and a smoke check",
-               ["export.num_prompts", "eval.num_draft_tokens"]),
-    "scaling": ("Fig. 4: finetune on nested fractions of LANG's distilled data (P-F, F-only) and fit acceptance "
-                "against data", ["scaling.fractions", "scaling.series", "scaling.anchors",
-                                                "scaling.heldout_prompts", "train.finetune.data_fraction"]),
+COMMANDS = {name: (stage.summary, list(stage.keys)) for name, stage in REGISTRY.items()} | {
     "prepare": ("where the hub is reachable (a login node): cache what the recipe and its dry run take from it "
                 "(target, drafter start, the pair's rows, C4 tokens), so every stage runs offline; also converts a "
                 "GGUF target and extracts offline sources", ["target.source", "target.path", "target.revision",
@@ -57,24 +29,6 @@ COMMANDS = {
 }
 COMMON_KEYS = ["run", "force", "seed", "paths.runs_dir", "paths.models_dir"]
 LISTS = {"recipes": "recipe", "targets": "target", "drafters": "drafter", "langs": "lang", "benches": None}
-
-
-def run_stage(stage: str, cfg: DictConfig) -> None:
-    from pipeline.device import check_slurm_gpus
-
-    check_slurm_gpus()  # before any work: a CPU build on a GPU node ends here, in one line
-    module = importlib.import_module(f"pipeline.stages.{stage}")
-    directory = stage_dir(cfg, stage)
-    with directory.claim():
-        if not directory.begin(cfg, force=cfg.force):
-            print(f"{stage}: {directory.path} is complete for this config; skipping (force=true redoes it)")
-            return
-        started = time.time()
-        with stage_tracker(cfg, stage, directory.path) as tracker:
-            counts = module.run(cfg, directory, tracker)
-        counts["wall_time_s"] = round(time.time() - started, 1)
-        directory.finish(cfg, counts)
-    print(f"{stage}: done in {counts['wall_time_s']:.0f}s -> {directory.path}")
 
 
 def prepare(cfg: DictConfig, overrides: list[str]) -> None:
@@ -197,24 +151,20 @@ def main(argv: list[str] | None = None) -> int:
             check_slurm_gpus()
             return gpu_check.run(args)
         cfg = compose_config(args.overrides)
-        if args.command not in ("config", "prepare"):  # a stage: offline when `make prepare` cached what it takes
-            from pipeline.prepare import offline_when_prepared
-
-            offline_when_prepared(cfg)
         if args.command == "config":
             print(OmegaConf.to_yaml(cfg))
         elif args.command == "prepare":
             prepare(cfg, args.overrides)
-        elif args.command == "scaling":  # it runs finetune and eval stages itself, so it needs their overrides
-            from pipeline.stages import scaling
-
-            scaling.run(cfg, args.overrides)
         else:
+            from pipeline.runner import run_stage  # torch and the stage's libraries: not for --help
+
             run_stage(args.command, cfg)
         sys.stdout.flush()
     except BrokenPipeError:  # `specdraft config | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except Exception as exc:
+        if (error := user_error(exc)) is None:
+            raise
+        print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

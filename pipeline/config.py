@@ -231,6 +231,21 @@ class DistillConfig:
 
 
 @dataclass
+class ParallelDraftConfig:
+    """Parallel drafting (PARD, pipeline/training/parallel_draft.py): the drafter learns to propose k tokens in one
+    forward, from the context followed by k - 1 mask tokens; eval and vLLM then draft K <= k tokens per forward."""
+    enabled: bool = False  # train the drafter to draft in parallel (off: autoregressive drafting, as before)
+    k: int = 8  # draft positions learned: the largest K the drafter serves
+    # conditional drop: mask segment i (1..k-1) keeps a share max(retention^i, min_retention) of the positions
+    # (nested: a kept mask's chain to its context is kept), so a step costs at most ~3.4x SFT's tokens at k=8, not 8x
+    retention: float = 0.7
+    min_retention: float = 0.2  # the share every later mask segment keeps at least
+    # the mask token of a full-vocabulary drafter: a target id the data never uses (None: the tokenizer's unk, an
+    # unused special token or a padding row); a reduced vocabulary's gets an id of its own
+    mask_token: Optional[int] = None
+
+
+@dataclass
 class TrainConfig:
     lr: float = 3e-4  # peak learning rate (AdamW, cosine decay)
     weight_decay: float = 0.0  # AdamW weight decay
@@ -250,6 +265,7 @@ class TrainConfig:
     launch: str = "single"  # recipes/launch/<launch>.yaml
     # processes over all nodes, or auto: every local GPU (times SLURM_NNODES in a multi-node job), 1 without one
     num_processes: Any = 1
+    parallel_draft: ParallelDraftConfig = field(default_factory=ParallelDraftConfig)
 
 
 @dataclass
@@ -508,6 +524,13 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     return cfg
 
 
+def with_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """A variant of a composed config: ``cfg`` with plain KEY=VALUE overrides (no config groups), validated."""
+    variant = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+    validate(variant)
+    return variant
+
+
 def validate(cfg: DictConfig) -> None:
     """Checks the schema cannot express: relations between fields."""
     try:  # `+key=value` adds keys Hydra does not check against the schema
@@ -541,6 +564,15 @@ def validate(cfg: DictConfig) -> None:
         problems.append("distill.max_failed_share must be in [0, 1): the share of records a complete distill may lack")
     if cfg.eval.num_draft_tokens < 1:
         problems.append("eval.num_draft_tokens (K) must be >= 1")
+    for stage in ("pretrain", "finetune"):
+        pd = cfg.train[stage].parallel_draft
+        if pd.enabled and pd.k < 2:
+            problems.append(f"train.{stage}.parallel_draft.k must be >= 2: the positions drafted in one forward")
+        if pd.enabled and not 0 < pd.min_retention <= pd.retention <= 1:
+            problems.append(f"train.{stage}.parallel_draft: need 0 < min_retention <= retention <= 1")
+    if cfg.train.finetune.parallel_draft.enabled and cfg.train.finetune.on_policy.enabled:
+        problems.append("train.finetune.on_policy aligns an autoregressive drafter's rollouts; it does not train "
+                        "parallel drafting: turn one of them off")
     if not 0 <= cfg.data.heldout_fraction < 1:
         problems.append("data.heldout_fraction must be in [0, 1)")
     if cfg.data.sources == SourceKind.file and not cfg.data.source_file:

@@ -43,35 +43,17 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.config import REPO_ROOT, ConfigError, FinetuneMode, SourceKind, config_hash, sections
+from pipeline.config import REPO_ROOT, ConfigError, SourceKind, config_hash, sections
 from pipeline.durable import write_atomic
 from pipeline.models.drafter import published_weights
 from pipeline.models.provision import fingerprint, hub_snapshot, is_local, model_fingerprint
+from pipeline.registry import stage as registered
 
-STAGES = ("distill", "pretrain", "finetune", "eval")  # the pipeline: `make all` and Slurm's chain
-EXPORT = "export"  # after a finetune, on demand: the drafter in the forms transformers and vLLM serve
-SCALING = "scaling"  # after distill and pretrain, on demand: acceptance against the amount of data (Fig. 4)
 MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
 
-# The config sections each stage's output depends on (besides its inputs).
-STAGE_SECTIONS = {
-    # Not the endpoint, concurrency or timeouts: a rerun through another server resumes the same records.
-    # Sampling is the eval's (top_p, top_k), so the drafter learns the distribution it is measured against.
-    "distill": ["target", "lang", "data", "distill.temperatures", "distill.samples_per_prompt", "distill.max_tokens",
-                "distill.top_logprobs", "distill.seed", "distill.server.dtype", "eval.top_p", "eval.top_k",
-                "distill.num_shards", "distill.shard"],
-    # Only the data keys pretraining reads: new translation sources (back-translation) keep the pretrained drafter.
-    "pretrain": ["target", "drafter", "data.pretrain_corpora", "data.pretrain_max_documents", "train.pretrain", "seed"],
-    "finetune": ["target", "drafter", "lang", "train.finetune", "seed"],
-    "eval": ["target", "drafter", "lang", "eval"],
-    EXPORT: ["target", "drafter", "lang", "eval.num_draft_tokens", "eval.max_new_tokens", "eval.seeds", "eval.top_k",
-             "eval.top_p", "export"],
-    SCALING: ["target", "drafter", "lang", "train.finetune", "seed", "eval", "scaling"],
-}
-
-# Keys inside those sections that do not change a stage's result, so changing them keeps its hash: how
-# often training logs and checkpoints, whether it resumes, and how many processes share each step
+# Keys inside the sections a stage hashes (registry.Stage.sections) that do not change its result, so changing
+# them keeps its hash: how often training logs and checkpoints, whether it resumes, and how many processes share each step
 # (``batch_size`` is the global batch, split over the processes: the same data and loss per step; the eval's
 # processes decode disjoint prompts with the same seeds: the same counts).
 RESULT_NEUTRAL = {
@@ -221,7 +203,7 @@ class StageDir:
             "inputs": {name: {"path": str(d.path), "config_hash": d.config_hash} for name, d in self.inputs.items()},
             "input_contents": self.contents,
             "counts": counts or previous.get("counts", {}),
-            "config": sections(cfg, STAGE_SECTIONS[self.stage]),
+            "config": sections(cfg, list(registered(self.stage).sections)),
         }
         write_atomic(self.manifest_path, json.dumps(manifest, indent=2) + "\n")
 
@@ -235,19 +217,6 @@ def stage_path(cfg: DictConfig, stage: str, digest: str) -> Path:
     if stage == "pretrain":
         return root / cfg.drafter.name / "pretrain" / digest
     return root / cfg.drafter.name / cfg.run / cfg.lang.pair / stage
-
-
-def input_stages(cfg: DictConfig, stage: str) -> list[str]:
-    if stage == "finetune":
-        needs_pretrain = cfg.train.finetune.mode == FinetuneMode.pretrain_finetune
-        return ["distill", "pretrain"] if needs_pretrain else ["distill"]
-    if stage == "eval":
-        return [] if cfg.eval.drafter_path else ["finetune"]
-    if stage == EXPORT:
-        return ["finetune"]
-    if stage == SCALING:
-        return ["distill", "pretrain"]
-    return []
 
 
 def shard_set_path(cfg: DictConfig) -> Path:
@@ -291,10 +260,8 @@ def check_shards(cfg: DictConfig, stage: str, distill: StageDir) -> None:
 
 def stage_dir(cfg: DictConfig, stage: str, check_inputs: bool = True) -> StageDir:
     """The stage's directory with its inputs resolved; fails fast when an input is not complete."""
-    if stage not in (*STAGES, EXPORT, SCALING):
-        raise ValueError(f"unknown stage '{stage}'; valid: {', '.join((*STAGES, EXPORT, SCALING))}")
     inputs = {name: distill_input(cfg, check_inputs) if name == "distill" else stage_dir(cfg, name, check_inputs)
-              for name in input_stages(cfg, stage)}
+              for name in registered(stage).inputs(cfg)}
     if check_inputs:
         for name, upstream in inputs.items():
             if upstream.shards:
@@ -336,7 +303,7 @@ def input_contents(cfg: DictConfig, stage: str) -> dict[str, str]:
     weights (every stage), the drafter's published weights, the prompts file (distill, and eval's held-out prompts)
     and eval.drafter_path. A hub id without a revision is taken at the commit the HF cache holds, as loaded."""
     contents = {"target weights": model_fingerprint(cfg.target, cfg.paths.models_dir)}
-    if "drafter" in STAGE_SECTIONS[stage] and (weights := published_weights(cfg.drafter)):
+    if "drafter" in registered(stage).sections and (weights := published_weights(cfg.drafter)):
         contents["drafter weights"] = fingerprint(weights if is_local(weights) else hub_snapshot(weights, None))
     if stage in ("distill", "eval") and (prompts := prompts_file(cfg)):
         contents["prompts file"] = fingerprint(prompts)
@@ -349,10 +316,10 @@ def input_contents(cfg: DictConfig, stage: str) -> dict[str, str]:
 
 def hashed_keys(cfg: DictConfig, stage: str) -> list[str]:
     """The config keys a stage's hash covers: its sections, less their RESULT_NEUTRAL keys, and less the
-    finetune's on-policy phase while it is off, its data_fraction while it is 1 and an unsharded distill's shard
+    finetune's on-policy phase and either training's parallel drafting while they are off, its data_fraction while it is 1 and an unsharded distill's shard
     keys (stages made before they existed keep their hash)."""
     keys = []
-    for key in STAGE_SECTIONS[stage]:
+    for key in registered(stage).sections:
         neutral = RESULT_NEUTRAL.get(key)
         if neutral is None:
             keys.append(key)
@@ -360,6 +327,9 @@ def hashed_keys(cfg: DictConfig, stage: str) -> list[str]:
             keys.extend(f"{key}.{name}" for name in OmegaConf.select(cfg, key) if name not in neutral)
     if stage == "finetune" and not cfg.train.finetune.on_policy.enabled:
         keys.remove("train.finetune.on_policy")
+    for section in ("pretrain", "finetune"):
+        if f"train.{section}.parallel_draft" in keys and not cfg.train[section].parallel_draft.enabled:
+            keys.remove(f"train.{section}.parallel_draft")
     if stage == "finetune" and cfg.train.finetune.data_fraction == 1:
         keys.remove("train.finetune.data_fraction")
     if stage == "distill" and cfg.distill.num_shards == 1:

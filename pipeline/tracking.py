@@ -61,6 +61,7 @@ def stage_tracker(cfg: DictConfig, stage: str, stage_path: Path) -> Iterator[Tra
         name=f"{stage}-{cfg.lang.pair}" if stage != "pretrain" else stage,
         id=run_id,
         resume="allow",
+        reinit="create_new",  # a run of its own for each stage a stage runs (scaling's finetunes and anchors)
         dir=str(stage_path),
         config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
     )

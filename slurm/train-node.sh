@@ -21,7 +21,7 @@ else
     run_session "$PY" -c '
 import os, sys
 from omegaconf import OmegaConf
-from pipeline.cli import USER_ERRORS
+from pipeline.errors import USER_ERRORS
 from pipeline.config import compose_config
 from pipeline.device import check_slurm_gpus
 from pipeline.prepare import offline_when_prepared

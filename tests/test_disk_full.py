@@ -139,10 +139,13 @@ def test_a_checkpoint_save_past_the_limit_keeps_the_previous_checkpoint_whole(tm
     child(SAVE + "save()", str(tmp_path), "1")
     first = latest_checkpoint(tmp_path)
     before = {p.relative_to(first): p.read_bytes() for p in first.rglob("*") if p.is_file()}
-    child(SAVE + textwrap.dedent("""
+    refused = child(SAVE + textwrap.dedent("""
         limit_file_size(16 * 1024)
         must_fail(save)
     """), str(tmp_path), "2")
+    # one line: what found no room, the fix, and the checkpoint the run resumes from
+    assert refused.startswith("refused: no room to write (") and refused.count("\n") == 1
+    assert refused.rstrip().endswith("checkpoint step-00000002 was not written, and the run resumes from step-00000001")
     assert latest_checkpoint(tmp_path) == first
     assert {p.relative_to(first): p.read_bytes() for p in first.rglob("*") if p.is_file()} == before
     assert not (tmp_path / CHECKPOINTS / "step-00000002" / STEP_FILE).exists()
@@ -154,3 +157,20 @@ def test_a_checkpoint_save_past_the_limit_keeps_the_previous_checkpoint_whole(tm
     assert out.strip() == "1"
     assert [p.name for p in (tmp_path / CHECKPOINTS).iterdir()] == ["step-00000002"]
     assert json.loads((latest_checkpoint(tmp_path) / STEP_FILE).read_text())["step"] == 2
+
+
+@pytest.mark.slow
+def test_a_stage_that_finds_no_room_ends_in_one_line_naming_the_fix(tmp_path):
+    """The stage's own first writes (its directory's manifest) past a file size limit: exit 2, one line, no
+    traceback; with room again the same command begins the stage."""
+    args = ["recipe=ci", f"paths.runs_dir={tmp_path}", f"paths.cache_dir={tmp_path / 'cache'}", "logger=none"]
+    limited = subprocess.run([sys.executable, "-c", PRELUDE + "limit_file_size(64)\nfrom pipeline.cli import main\n"
+                              "sys.exit(main(sys.argv[1:]))", "pretrain", *args, "train.pretrain.max_steps=1"],
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert limited.returncode == 2, limited.stderr[-3000:]
+    line = limited.stderr.strip()
+    assert "\n" not in line and line.startswith("error: no room to write ([Errno 27] File too large")
+    assert "free space (or raise the quota) and run the same command again" in line
+    again = subprocess.run([sys.executable, "-m", "pipeline", "pretrain", *args, "train.pretrain.max_steps=1"],
+                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]

@@ -321,6 +321,30 @@ def test_two_replicas_kill_9_mid_run_then_the_rerun_asks_exactly_the_missing_rec
 
 
 @pytest.mark.slow
+def test_two_distills_on_one_node_each_ask_only_their_own_server(tmp_path):
+    """Two distill jobs started together on one node (two Slurm jobs sharing it, one vLLM cache): each starts its
+    own server, on a port of its own and with a key of its own; each server answers exactly its own stage's
+    requests, and both stages complete with every record."""
+    import re
+
+    runs = [overrides(tmp_path / job, SHORT, "data.max_train_prompts=4", "distill.server.cpu_kvcache_gb=1")
+            for job in ("job-1", "job-2")]
+    processes = [cli(args) for args in runs]
+    for process in processes:
+        assert process.wait(timeout=900) == 0, process.stderr.read()
+    ports = []
+    for args in runs:
+        path = stage_path(args)
+        log = (path / "server" / "vllm.log").read_text()
+        ports += re.findall(r"starting vLLM on port (\d+)", log)
+        stats = json.loads((path / "stats.json").read_text())
+        assert stats["requests"] == log.count("POST /v1/completions") == len(expected_keys(args))
+        keys = [(r["id"], r["temperature"], r["sample"]) for r in all_records(path)]
+        assert len(keys) == len(set(keys)) and set(keys) == expected_keys(args)
+    assert len(ports) == len(set(ports)) == 2
+
+
+@pytest.mark.slow
 def test_server_killed_mid_run_reports_and_a_rerun_completes(vllm_server, tmp_path):
     """The stage's own server (on another port than the taken preferred one) dies mid-run."""
     import socket

@@ -131,6 +131,29 @@ def test_vllm_form_maps_exactly_the_drafters_vocabulary(exported):
     assert sliding_window_target(str(exported["dir"] / "target")) == isinstance(exported["target"], Gemma3ForCausalLM)
 
 
+def test_a_parallel_reduced_vocabulary_drafter_exports_with_its_mask_after_the_unmapped_id(exported, tmp_path):
+    """The mask token (drafter id N + 1) changes nothing of the transformers form's distribution (N stays the
+    unmapped id, -inf), and the vLLM form's tokenizer names it, outside the target's vocabulary."""
+    from pipeline.models.drafter import make_parallel
+    from pipeline.models.export import MASK_TOKEN
+
+    vocab, target_path = exported["vocab"], str(exported["dir"] / "target")
+    drafter = make_parallel(exported["drafter"], vocab, 4, None)
+    save_drafter(drafter, target_path, vocab, tmp_path / "parallel")
+    export_drafter(str(tmp_path / "parallel"), target_path, tmp_path / "export", num_draft_tokens=3)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export", trust_remote_code=True).eval()
+    ids = torch.randint(0, TARGET_VOCAB, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        logits = loaded(input_ids=ids).logits
+        expected = vocab.expand_logits(drafter(input_ids=vocab.encode(ids)).logits)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+    assert loaded.get_input_embeddings().weight.shape[0] == vocab.drafter_vocab_size + 1
+    assert vllm_mapping_problem(target_path, tmp_path / "export", vocab) is None
+    reduced = AutoTokenizer.from_pretrained(tmp_path / "export" / VLLM_DIR)
+    assert reduced.convert_tokens_to_ids(MASK_TOKEN) == drafter.config.pard_token == vocab.unk_id + 1
+    assert exported_vocab(tmp_path / "export").target_ids.tolist() == vocab.target_ids.tolist()
+
+
 def test_vllm_engine_serves_an_export_folder_through_its_vllm_form(exported):
     """eval.engine=vllm with eval.drafter_path at an export: the map read back from the export's weights, vLLM's
     mapping checked against it, and the heterogeneous-vocabulary speculative_config; a vllm/ tokenizer that maps
@@ -165,20 +188,16 @@ def test_full_vocabulary_drafter_exports_as_a_plain_model(smollm_path, tmp_path)
     assert isinstance(AutoModelForCausalLM.from_pretrained(tmp_path / "export"), LlamaForCausalLM)
 
 
-@pytest.mark.slow
-def test_export_stage_writes_a_servable_folder_whose_readme_snippet_runs(smollm_path, runs_dir, tmp_path):
-    """`make export` on the ci recipe (SmolLM2-135M) with a random reduced-vocabulary tiny-ci drafter as the
-    finetune's: the smoke check passes, the manifest reports it, and the README's transformers snippet runs as
-    written in a fresh process."""
+def finished_finetune(cfg, smollm_path: str) -> None:
+    """What `make finetune` leaves for ``cfg`` (drafter.reduced_vocab=2000): complete distill and pretrain stages and
+    a finetune holding a random reduced-vocabulary drafter (its map: the most frequent tokens of some text)."""
     from pipeline.models.drafter import build_drafter
 
-    base = ["recipe=ci", f"paths.runs_dir={runs_dir}", "drafter.reduced_vocab=2000", "export.num_prompts=3"]
-    cfg = compose_config(base)
     tokenizer = AutoTokenizer.from_pretrained(smollm_path)
     counts = torch.bincount(torch.tensor(tokenizer("Guten Morgen, the quick brown fox. " * 50).input_ids),
                             minlength=TARGET_VOCAB)
     vocab = VocabMap.most_frequent(counts, 2000, always=tokenizer.all_special_ids)
-    for stage in ("distill", "pretrain", "finetune"):  # what `make finetune` leaves
+    for stage in ("distill", "pretrain", "finetune"):
         directory = stage_dir(cfg, stage, check_inputs=False)
         assert directory.begin(cfg)
         if stage == "finetune":
@@ -186,6 +205,15 @@ def test_export_stage_writes_a_servable_folder_whose_readme_snippet_runs(smollm_
                          directory.path / "drafter")
         directory.finish(cfg, {})
 
+
+@pytest.mark.slow
+def test_export_stage_writes_a_servable_folder_whose_readme_snippet_runs(smollm_path, runs_dir, tmp_path):
+    """`make export` on the ci recipe (SmolLM2-135M) with a random reduced-vocabulary tiny-ci drafter as the
+    finetune's: the smoke check passes, the manifest reports it, and the README's transformers snippet runs as
+    written in a fresh process."""
+    base = ["recipe=ci", f"paths.runs_dir={runs_dir}", "drafter.reduced_vocab=2000", "export.num_prompts=3"]
+    cfg = compose_config(base)
+    finished_finetune(cfg, smollm_path)
     assert cli.main(["export", *base]) == 0
     out = stage_dir(cfg, "export").path
     manifest = json.loads((out / "manifest.json").read_text())

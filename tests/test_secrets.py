@@ -1,6 +1,6 @@
 """No secret reaches a file, a log or a command line: with sentinel values in every key the pipeline meets
-(the endpoint's key, the hub's, wandb's, vLLM's), a distill logged to wandb, a training's launch config and a
-Slurm node's config file are written, then every byte written and every process's command line is searched.
+(the endpoint's key, the hub's, wandb's, vLLM's), a distill and an export logged to wandb, a training's launch
+config and a Slurm node's config file are written, then every byte written and every process's command line is searched.
 Keys reach their users through the environment only; run directories are the user's own."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pipeline.cli import main
 from pipeline.config import REPO_ROOT, compose_config
 from pipeline.rundir import MANIFEST, stage_dir
 from pipeline.tracking import Tracker
+from tests.test_export import finished_finetune
 from tests.test_serving import command_lines
 
 TRAIN_NODE = str(REPO_ROOT / "slurm" / "train-node.sh")
@@ -47,7 +48,8 @@ def test_a_key_in_the_config_is_refused_without_echoing_it(capsys):
 
 
 @pytest.mark.slow
-def test_no_key_in_any_file_log_or_command_line_and_run_directories_are_private(vllm_server, tmp_path, monkeypatch):
+def test_no_key_in_any_file_log_or_command_line_and_run_directories_are_private(vllm_server, smollm_path, tmp_path,
+                                                                                  monkeypatch):
     import wandb
 
     from pipeline.training import launch
@@ -93,20 +95,28 @@ def test_no_key_in_any_file_log_or_command_line_and_run_directories_are_private(
     assert node_config.exists(), slurm_log.read_text()[-2000:]
     assert not readable_by_others(node_config, tmp_path)
 
+    # an export (its README, vLLM form and smoke check), tracked by wandb, of a finetune as `make finetune` leaves it
+    export_args = overrides(tmp_path / "export-runs", "drafter.reduced_vocab=2000", "export.num_prompts=2",
+                            "logger=wandb")
+    finished_finetune(compose_config(export_args), smollm_path)
+    assert main(["export", *export_args]) == 0
+    wandb.teardown()
+
     # while the session's vLLM server runs: no key on any command line
     lines = command_lines()
     assert any(b"vllm.entrypoints.openai.api_server" in line for line in lines)
     assert not {name for name, value in keys.items() for line in lines if value.encode() in line}
 
     written = [path for path in tmp_path.rglob("*") if path.is_file() and not path.is_symlink()]
-    assert any(path.suffix == ".wandb" for path in written) and any(path.name == "debug.log" for path in written)
+    assert {path.relative_to(tmp_path).parts[0] for path in written if path.suffix == ".wandb"} == {"runs", "export-runs"}
+    assert any(path.name == "debug.log" for path in written) and any(path.name == "README.md" for path in written)
     leaks = {(name, str(path.relative_to(tmp_path))) for path in written for name, value in keys.items()
              if value.encode() in path.read_bytes()}
     assert not leaks
 
-    stage_dirs = [manifest.parent for manifest in runs.rglob(MANIFEST)]
-    assert len(stage_dirs) == 2
+    stage_dirs = [manifest.parent for manifest in tmp_path.rglob(MANIFEST)]
+    assert len(stage_dirs) == 6  # distill and pretrain; distill, pretrain, finetune and export
     assert all(stat.S_IMODE(path.stat().st_mode) == 0o700 for path in stage_dirs)
     # all the others can read: the lock beside a stage directory, which names who runs the stage (host, pid, start)
-    assert {path.name for path in written if path.is_relative_to(runs) and readable_by_others(path, tmp_path)} <= {
-        f".{path.name}.lock" for path in stage_dirs}
+    assert {path.name for path in written if path.is_relative_to(tmp_path / "export-runs") or path.is_relative_to(runs)
+            if readable_by_others(path, tmp_path)} <= {f".{path.name}.lock" for path in stage_dirs}

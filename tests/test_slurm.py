@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import REPO_ROOT, compose_config
-from pipeline.rundir import MANIFEST, STAGES, stage_dir
+from pipeline.registry import PIPELINE
+from pipeline.rundir import MANIFEST, stage_dir
 
 pytestmark = pytest.mark.slow
 SLURM_DIR = REPO_ROOT / "slurm"
@@ -137,8 +138,8 @@ def chain(cluster, tmp_path_factory):
 
 def test_chain_runs_every_stage_in_dependency_order(cluster, chain):
     ids, log_dir = chain["ids"], chain["log_dir"]
-    assert list(ids) == list(STAGES)
-    jobs = {stage: cluster.task(ids[stage], None if stage == "pretrain" else 0) for stage in STAGES}
+    assert list(ids) == list(PIPELINE)
+    jobs = {stage: cluster.task(ids[stage], None if stage == "pretrain" else 0) for stage in PIPELINE}
     for stage, job in jobs.items():
         log = next(log_dir.glob(f"{stage}-{ids[stage]}*.out"))
         assert job["JobState"] == "COMPLETED", (
@@ -149,7 +150,7 @@ def test_chain_runs_every_stage_in_dependency_order(cluster, chain):
     assert jobs["pretrain"]["EndTime"] <= jobs["finetune"]["StartTime"]
     assert jobs["finetune"]["EndTime"] <= jobs["eval"]["StartTime"]
     # Every stage directory of the config the test composes is complete: the jobs ran that config.
-    for stage in STAGES:
+    for stage in PIPELINE:
         directory = stage_dir(chain["cfg"], stage)
         assert directory.marker.read_text().strip() == directory.config_hash, stage
     assert (stage_dir(chain["cfg"], "finetune").path / "drafter" / "config.json").exists()
@@ -228,7 +229,7 @@ def test_gpu_jobs_ask_for_each_gpus_cpu_and_memory_share_and_eval_is_not_exclusi
     done = submit_dry_run("--recipe", "paper-vicuna", "--langs", "de-en fr-en", "--gpus-per-node", "8")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert [line.split()[-2] for line in lines] == [f"slurm/{stage}.sbatch" for stage in STAGES]
+    assert [line.split()[-2] for line in lines] == [f"slurm/{stage}.sbatch" for stage in PIPELINE]
     for line in lines:
         assert " --cpus-per-task=64 --mem=512G --gpus-per-node=8 " in line and "--exclusive" not in line, line
     assert "--dependency=aftercorr:DISTILL_JOB,afterok:PRETRAIN_JOB" in lines[2]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -235,10 +236,41 @@ def test_deepspeed_zero2_on_cpu_shards_its_state_and_resumes_a_preempted_run(two
     assert all(torch.allclose(drafter.state_dict()[name], ddp[name], atol=1e-4) for name in ddp)
 
 
+def test_a_full_disk_during_a_deepspeed_sharded_save_is_one_line_and_the_rerun_resumes_exactly(two_processes, tmp_path):
+    """ZeRO-2 writes its checkpoint in shards, one per rank (torch.save, not safetensors). Once the first checkpoint
+    is whole, the workers get a 4 MiB file size limit (a full disk, a quota): the next save fails, the stage ends in
+    one line naming the fix and the checkpoint it resumes from, which stays whole; a rerun with room resumes from it
+    to the uninterrupted run's losses."""
+    args = overrides(tmp_path, *PRETRAIN, "train.pretrain.launch=deepspeed-zero2", "train.pretrain.num_processes=2",
+                     "train.pretrain.save_every=5")
+    path = stage_dir(compose_config(args), "pretrain").path
+    first = path / "checkpoints" / "step-00000005"
+    with (tmp_path / "stage.log").open("w+") as output:
+        child = start_stage("pretrain", args, output)
+        deadline = time.time() + 300
+        while not (first / "step.json").exists():
+            assert child.poll() is None and time.time() < deadline, "no first checkpoint"
+            time.sleep(0.02)
+        config_file = str(path / "launch_config.yaml")
+        for process in psutil.process_iter(["cmdline"]):
+            if config_file in (process.info["cmdline"] or []):
+                process.rlimit(psutil.RLIMIT_FSIZE, (4 << 20, 4 << 20))
+        code = child.wait(timeout=300)
+        output.seek(0)
+        log = output.read()
+    assert code == 2, log[-3000:]
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("error: no room to write (") and "free space (or raise the quota)" in last, log[-3000:]
+    assert last.endswith("checkpoint step-00000010 was not written, and the run resumes from step-00000005"), last
+    assert latest_checkpoint(path) == first and not (path / MARKER).exists()
+
+    assert cli(["pretrain", *args]) == 0
+    reference = stage_dir(compose_config(overrides(two_processes, *PRETRAIN, *TWO_PROCESSES)), "pretrain").path
+    assert losses(path) == pytest.approx(losses(reference), rel=1e-5)
+
+
 def test_ctrl_c_stops_the_accelerate_workers_with_the_stage(tmp_path):
     """The launcher runs in its own session, out of the terminal's reach: the stage stops its workers."""
-    import psutil
-
     args = overrides(tmp_path, *PRETRAIN, *TWO_PROCESSES)
     path = stage_dir(compose_config(args), "pretrain").path
     with (tmp_path / "stage.log").open("w+") as output:
@@ -275,6 +307,53 @@ def test_finetune_only_with_a_reduced_vocabulary(distilled):
     assert vocab.drafter_vocab_size == 513 and vocab.target_vocab_size == 49152
     counts = json.loads((path / "manifest.json").read_text())["counts"]
     assert counts["drafter_vocab"] == 513 and counts["label_coverage"] == 1.0  # 512 ids cover these records
+
+
+PARALLEL = ["train.finetune.log_every=1", "train.finetune.parallel_draft.enabled=true",
+            "train.finetune.parallel_draft.k=4"]
+
+
+def test_parallel_draft_finetune_logs_each_offset_and_resumes_to_the_uninterrupted_run(distilled, tmp_path):
+    """P-F with parallel drafting: the pretrained drafter gets a mask token (an id the data never uses, its
+    vocabulary unchanged), each offset's loss is logged, and a run preempted mid-way resumes to the same losses
+    and the same drafter as the uninterrupted one."""
+    reference_args = overrides(distilled, "run=parallel", *PARALLEL)
+    assert cli(["finetune", *reference_args]) == 0
+    reference = stage_dir(compose_config(reference_args), "finetune").path
+    metrics = read_metrics(reference)
+    assert len(metrics) == 20 and all(f"loss_offset_{j}" in m for m in metrics.values() for j in (1, 2, 3, 4))
+    drafter = AutoModelForCausalLM.from_pretrained(reference / "drafter")
+    assert drafter.config.pard_k == 4 and drafter.config.vocab_size == 49152
+    assert drafter.config.pard_token in load_tokenizer(str(reference / "drafter")).all_special_ids
+
+    args = overrides(distilled, "run=parallel-preempted", *PARALLEL)
+    path, _, _ = preempt_stage("finetune", args, tmp_path, steps=4, stops_before=20)
+    assert cli(["finetune", *args]) == 0
+    keys = ("loss", "loss_offset_1", "loss_offset_2", "loss_offset_3", "loss_offset_4")
+    assert {step: [m[key] for key in keys] for step, m in read_metrics(path).items()} == {
+        step: [m[key] for key in keys] for step, m in metrics.items()}
+    ours, theirs = (load_file(p / "drafter" / "model.safetensors") for p in (path, reference))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_parallel_draft_finetune_of_a_reduced_vocabulary_with_kd_serves_the_eval_stage(distilled, capsys):
+    """F-only, a reduced vocabulary (its mask: a drafter id of its own, N + 1) and KD to the target's top-k; the
+    eval stage drafts K tokens per forward with it, exactly at T=0, and measures a round's drafting cost."""
+    args = overrides(distilled, "train.finetune.mode=finetune_only", "drafter.name=tiny-ci-r512",
+                     "drafter.reduced_vocab=512", "train.finetune.loss=kd_forward_kl", "run=parallel-kd", *PARALLEL)
+    assert cli(["finetune", *args]) == 0
+    path = stage_dir(compose_config(args), "finetune").path
+    drafter = AutoModelForCausalLM.from_pretrained(path / "drafter")
+    assert (drafter.config.vocab_size, drafter.config.pard_token, drafter.config.pard_k) == (514, 513, 4)
+    eval_args = [*args, "eval.temperatures=[0.0]", "eval.num_prompts=2", "eval.methods=[target,speculative]",
+                 "eval.k_sweep=[2]", "eval.seeds=[0]"]
+    assert cli(["eval", *eval_args]) == 0
+    metrics = json.loads((stage_dir(compose_config(eval_args), "eval").path / "metrics.json").read_text())
+    assert metrics["lossless"]["exact"] == metrics["lossless"]["outputs_checked"] > 0
+    assert set(metrics["costs"]["draft"]) == {"2", "4"}  # measured forwards, not K x c
+    capsys.readouterr()
+    assert cli(["eval", *eval_args, f"eval.drafter_path={path / 'drafter'}", "eval.k_sweep=[6]", "run=k6"]) == 2
+    assert capsys.readouterr().err.startswith("error: K=6 draft tokens, but this parallel drafter learned 4 positions")
 
 
 def first_batch_losses(cfg, target_path: str) -> tuple[float, float]:

@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from pipeline.config import ConfigError, Loss, TrainConfig, compose_config
 from pipeline.models.provision import load_model, load_tokenizer
 from pipeline.models.vocab import VocabMap
-from pipeline.training import loop
+from pipeline.training import losses, loop
 from pipeline.training.data import IGNORE, Collator, TokenStrings, pack, record_example
 from pipeline.training.launch import MetricsLog, read_metrics
 
@@ -170,10 +170,10 @@ def test_kd_losses_follow_their_definitions_and_fall_back_to_ce():
     ce_second = -q[1, 2].log()
     kl = (p * (p.log() - q[0, [0, 1]].log())).sum()
     tv = 0.5 * ((p - q[0, [0, 1]]).abs().sum() + q[0, [2, 3]].sum())
-    assert loop.loss_sum(logits, targets, Loss.kd_forward_kl).item() == pytest.approx((kl + ce_second).item(), rel=1e-5)
-    assert loop.loss_sum(logits, targets, Loss.kd_total_variation).item() == pytest.approx((tv + ce_second).item(), rel=1e-5)
+    assert losses.loss_sum(logits, targets, Loss.kd_forward_kl).item() == pytest.approx((kl + ce_second).item(), rel=1e-5)
+    assert losses.loss_sum(logits, targets, Loss.kd_total_variation).item() == pytest.approx((tv + ce_second).item(), rel=1e-5)
     ce = -(q[0, 0].log() + q[1, 2].log())
-    assert loop.loss_sum(logits, targets, Loss.ce).item() == pytest.approx(ce.item(), rel=1e-5)
+    assert losses.loss_sum(logits, targets, Loss.ce).item() == pytest.approx(ce.item(), rel=1e-5)
 
 
 @pytest.mark.slow

@@ -221,7 +221,7 @@ def reduced_drafted(smollm_path, tmp_path_factory):
 
     from pipeline.evaluation import heldout_prompts
     from pipeline.prompts import prompt_ids
-    from pipeline.stages.export import FOLDER
+    from pipeline.models.export import EXPORT_FOLDER as FOLDER
     from tests.test_engine import reduced_copy
 
     runs_dir = tmp_path_factory.mktemp("vllm-eval-reduced") / "runs"

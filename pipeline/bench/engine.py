@@ -42,9 +42,9 @@ from pipeline.prompts import build_prompt
 from pipeline.rundir import stage_dir
 from pipeline.speculative.engine import (
     CachedModel,
-    ModelDrafter,
     generate,
     hf_generate,
+    model_drafter,
     predicted_speedup,
     step_costs,
 )
@@ -167,7 +167,7 @@ def main(out_dir: Path, settings: BenchSettings) -> dict:
         drafters["speculative_finetuned_full_vocab"] = (full_vocabulary_copy(finetuned, finetuned_map), None)
 
     def ours(model, vmap, sampling=greedy):
-        drafter = ModelDrafter(model, vmap) if model is not None else None
+        drafter = model_drafter(model, vmap) if model is not None else None
         return lambda ids: generate(target, ids, MAX_NEW_TOKENS, stop, sampling, drafter=drafter, k=K,
                                     generator=torch.Generator(device=device).manual_seed(SEED))
 

@@ -36,12 +36,12 @@ import torch
 from omegaconf import OmegaConf
 
 from pipeline.bench import BenchSettings
-from pipeline.cli import main as cli
 from pipeline.config import Divergence
 from pipeline.evaluation import greedy_heldout_examples, stop_condition
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.rundir import stage_dir
+from pipeline.runner import run_stage
 from pipeline.speculative.engine import expected_tokens
 from pipeline.speculative.metrics import mean_and_standard_error
 from pipeline.training import loop, on_policy
@@ -64,11 +64,10 @@ def finetuned_config(settings: BenchSettings):
     cfg = settings.config(f"lang={PAIR}")
     if stage_dir(cfg, "finetune", check_inputs=False).is_complete():
         return cfg, f"the {settings.recipe} recipe's finetune stage"
-    overrides = [*settings.overrides(), f"lang={PAIR}", *REDUCED]
+    reduced = settings.config(f"lang={PAIR}", *REDUCED)
     for stage in ("distill", "pretrain", "finetune"):
-        if cli([stage, *overrides]) != 0:
-            raise RuntimeError(f"`python -m pipeline {stage} {' '.join(overrides)}` failed")
-    return settings.config(f"lang={PAIR}", *REDUCED), f"made by this bench at reduced size: {' '.join(REDUCED)}"
+        run_stage(stage, reduced)
+    return reduced, f"made by this bench at reduced size: {' '.join(REDUCED)}"
 
 
 def run_arm(name, tc, sft_model, examples, collate, objective, held_out, budget_s: float, seed: int) -> tuple:

@@ -50,9 +50,9 @@ def overrides(ctx, paths: dict, runs_dir: Path) -> list[str]:
 def check_stages(ctx) -> dict:
     """export's smoke check (reduced-vocabulary drafter through its remote code, greedy gate and T=1 tau against
     our engine) and the whole eval stage on the saved pair: it completes with 0 greedy mismatches."""
-    from pipeline import cli
     from pipeline.config import compose_config
     from pipeline.models.export import export_drafter
+    from pipeline.runner import run_stage
     from pipeline.stages.export import smoke_check
 
     folder = ctx.out_dir / "pair"
@@ -67,8 +67,7 @@ def check_stages(ctx) -> dict:
     ensure(not gate.mismatches, f"export smoke check: {len(gate.mismatches)} greedy mismatches")
     ensure(smoke["t1"]["within_noise"], f"export smoke check: T=1 tau transformers {smoke['t1']['tau_hf']:.3f} vs "
                                         f"ours {smoke['t1']['tau_ours']:.3f}")
-    code = cli.main(["eval", *args, "force=true"])
-    ensure(code == 0, f"the eval stage exited {code}")
+    run_stage("eval", compose_config([*args, "force=true"]))
     metrics = json.loads(next(runs_dir.glob("**/eval/metrics.json")).read_text())
     lossless = metrics["lossless"]
     ensure(not lossless["mismatches"], f"eval stage: {len(lossless['mismatches'])} greedy mismatches")

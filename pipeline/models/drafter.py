@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from pipeline.config import ConfigError, ModelSource
 from pipeline.models.modeling_specdraft import SpecdraftDrafterConfig
-from pipeline.models.vocab import TokenizerMismatchError, VocabMap, check_tokenizers
+from pipeline.models.vocab import PARD_K, PARD_TOKEN, TokenizerMismatchError, VocabMap, check_tokenizers
 
 
 def reduced_vocab(drafter: DictConfig, counts: torch.Tensor, tokenizer) -> VocabMap | None:
@@ -120,19 +120,41 @@ def check_drafter(drafter_path: str, target_path: str, name: str = "drafter") ->
     check_tokenizers(AutoTokenizer.from_pretrained(drafter_path), AutoTokenizer.from_pretrained(target_path), name)
     vocab = VocabMap.load(drafter_path) if Path(drafter_path).is_dir() else None
     target_size = AutoConfig.from_pretrained(target_path).vocab_size
-    drafter_size = AutoConfig.from_pretrained(drafter_path).vocab_size
+    drafter_config = AutoConfig.from_pretrained(drafter_path)
+    drafter_size, mask = drafter_config.vocab_size, getattr(drafter_config, PARD_TOKEN, None)
     expected = vocab.drafter_vocab_size if vocab is not None else target_size
     if vocab is not None and vocab.target_vocab_size != target_size:
         raise TokenizerMismatchError(
             f"{name}'s vocab map covers {vocab.target_vocab_size} target ids but the target has {target_size}; "
             "retrain the drafter for this target"
         )
-    if drafter_size != expected:
+    if mask is not None and not (mask == expected if vocab is not None else 0 <= mask < expected):
+        where = f"its vocabulary's id {expected}, after the map's" if vocab is not None else f"a target id < {expected}"
+        raise TokenizerMismatchError(f"{name}'s mask token {PARD_TOKEN}={mask} is not {where}: it cannot draft in "
+                                     "parallel; finetune it again with train.finetune.parallel_draft.k=K")
+    if drafter_size != expected + (mask is not None and vocab is not None):
         raise TokenizerMismatchError(
             f"{name} predicts {drafter_size} tokens but the target's (padded) vocabulary needs {expected}; "
             "build the drafter with the target's tokenizer"
         )
     return vocab
+
+
+def make_parallel(model: PreTrainedModel, vocab: VocabMap | None, k: int, mask_id: int | None) -> PreTrainedModel:
+    """Teach ``model`` parallel drafting of ``k`` positions with a mask token: a reduced vocabulary's gets a row of
+    its own (id N + 1), a full vocabulary's is ``mask_id``, a target id its data never uses. The mask's rows start
+    at the mean embedding. A drafter already parallel keeps its mask and learns ``k`` positions."""
+    if getattr(model.config, PARD_TOKEN, None) is None:
+        size = model.config.vocab_size
+        if vocab is not None:
+            model.resize_token_embeddings(size + 1, mean_resizing=False)
+            mask_id = size
+        with torch.no_grad():
+            for weight in {model.get_input_embeddings().weight, model.get_output_embeddings().weight}:  # one if tied
+                weight[mask_id] = weight[:size].mean(0)
+        setattr(model.config, PARD_TOKEN, mask_id)
+    setattr(model.config, PARD_K, k)
+    return model
 
 
 def load_drafter(path: str, target_path: str, name: str = "drafter",

@@ -26,10 +26,12 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from pipeline.models.drafter import check_drafter
 from pipeline.models.modeling_specdraft import SpecdraftDrafterConfig, SpecdraftDrafterForCausalLM
-from pipeline.models.vocab import VocabMap
+from pipeline.models.vocab import PARD_TOKEN, VocabMap
 
+EXPORT_FOLDER = "drafter"  # the export stage's output folder, inside its run directory
 VLLM_DIR = "vllm"  # the reduced-vocabulary drafter's vLLM form, inside the exported folder
 UNMAPPED_TOKEN = "<specdraft:unmapped>"  # the drafter's id N in its vLLM tokenizer: in no target vocabulary
+MASK_TOKEN = "<specdraft:mask>"  # a parallel drafter's mask, id N + 1 in its vLLM tokenizer: in no target vocabulary
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 SINGLE_KV_GROUP = "--disable-hybrid-kv-cache-manager"  # vLLM's option; see sliding_window_target
 
@@ -48,7 +50,8 @@ def export_drafter(drafter_path: str, target_path: str, folder: Path, num_draft_
     else:
         as_target_vocabulary(drafter, vocab).save_pretrained(partial)
         drafter.save_pretrained(partial / VLLM_DIR)
-        reduced_tokenizer(target_tokenizer, vocab).save_pretrained(partial / VLLM_DIR)
+        parallel = getattr(drafter.config, PARD_TOKEN, None) is not None
+        reduced_tokenizer(target_tokenizer, vocab, parallel).save_pretrained(partial / VLLM_DIR)
     target_tokenizer.save_pretrained(partial)
     GenerationConfig(**{name: getattr(target_tokenizer, name) for name in SPECIAL_IDS},
                      num_assistant_tokens=num_draft_tokens, num_assistant_tokens_schedule="constant",
@@ -75,11 +78,14 @@ def as_target_vocabulary(drafter, vocab: VocabMap) -> SpecdraftDrafterForCausalL
     return wrapped.eval()
 
 
-def reduced_tokenizer(target_tokenizer, vocab: VocabMap) -> PreTrainedTokenizerFast:
-    """A tokenizer whose vocabulary is the drafter's: id i < N is target id ``target_ids[i]``'s token string, and
-    id N is UNMAPPED_TOKEN, its unknown token. Only its vocabulary is read (by vLLM, to map ids); it never encodes."""
+def reduced_tokenizer(target_tokenizer, vocab: VocabMap, parallel: bool = False) -> PreTrainedTokenizerFast:
+    """A tokenizer whose vocabulary is the drafter's: id i < N is target id ``target_ids[i]``'s token string, id N
+    is UNMAPPED_TOKEN, its unknown token, and a parallel drafter's id N + 1 is MASK_TOKEN. Only its vocabulary is
+    read (by vLLM, to map ids); it never encodes."""
     strings = target_tokenizer.convert_ids_to_tokens(vocab.target_ids.tolist())
     table = {token: i for i, token in enumerate(strings)} | {UNMAPPED_TOKEN: vocab.unk_id}
+    if parallel:
+        table[MASK_TOKEN] = vocab.unk_id + 1
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(table, unk_token=UNMAPPED_TOKEN)),
                                    unk_token=UNMAPPED_TOKEN)
 
@@ -92,7 +98,7 @@ def vllm_mapping_problem(target_path: str, folder: Path, vocab: VocabMap) -> str
     except ImportError as exc:
         return f"vLLM is not installed here ({exc}), so its vocabulary mapping could not be checked"
     mapping = VocabMapping(AutoTokenizer.from_pretrained(target_path), AutoTokenizer.from_pretrained(folder / VLLM_DIR),
-                           vocab.target_vocab_size, vocab.drafter_vocab_size, "cpu")
+                           vocab.target_vocab_size, AutoConfig.from_pretrained(folder / VLLM_DIR).vocab_size, "cpu")
     wrong = int((mapping.draft_to_target_ids[: vocab.unk_id] != vocab.target_ids.cpu()).sum())
     wrong_inputs = int((mapping.map_target_to_draft_ids(torch.arange(vocab.target_vocab_size))
                         != vocab.to_drafter.cpu()).sum())
@@ -109,13 +115,25 @@ def exported_vocab(folder: Path) -> VocabMap:
     weights = json.loads(index.read_text())["weight_map"]["to_drafter"] if index.exists() else SAFE_WEIGHTS_NAME
     with safe_open(folder / weights, "pt") as tensors:
         to_drafter = tensors.get_tensor("to_drafter").long()
-    unk_id = json.loads((folder / "config.json").read_text())["drafter_config"]["vocab_size"] - 1
+    drafter_config = json.loads((folder / "config.json").read_text())["drafter_config"]
+    unk_id = drafter_config["vocab_size"] - 1 - (drafter_config.get(PARD_TOKEN) is not None)
     mapped = torch.nonzero(to_drafter != unk_id).flatten()
     if len(mapped) != unk_id or set(to_drafter[mapped].tolist()) != set(range(unk_id)):
         raise ValueError(f"{folder}'s to_drafter does not map {unk_id} target ids onto its drafter's {unk_id} ids")
     target_ids = torch.empty(unk_id, dtype=torch.long)
     target_ids[to_drafter[mapped]] = mapped
     return VocabMap(target_ids, len(to_drafter))
+
+
+def draft_model_spec(folder: str | Path, k: int, heterogeneous: bool) -> dict:
+    """vLLM's ``speculative_config`` for the draft model in ``folder`` (a reduced vocabulary's ``vllm/`` form:
+    ``heterogeneous``), with parallel drafting where the drafter learned it (its config's ``pard_token``)."""
+    spec = {"method": "draft_model", "model": str(folder), "num_speculative_tokens": k}
+    if heterogeneous:
+        spec["use_heterogeneous_vocab"] = True
+    if getattr(AutoConfig.from_pretrained(folder), PARD_TOKEN, None) is not None:
+        spec["parallel_drafting"] = True
+    return spec
 
 
 def sliding_window_target(target_path: str) -> bool:

@@ -45,6 +45,8 @@ class SpecdraftDrafterForCausalLM(PreTrainedModel, GenerationMixin):
                                                         dtype=torch.get_default_dtype())
         # target id -> drafter id (N for the unmapped ones): the input lookup and, inverted, the output's places
         self.register_buffer("to_drafter", torch.zeros(config.vocab_size, dtype=torch.long))
+        # the unmapped id N: the drafter's last id, or the one before a parallel drafter's mask token (N + 1)
+        self.unmapped = inner_config.vocab_size - 1 - (getattr(inner_config, "pard_token", None) is not None)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -58,9 +60,8 @@ class SpecdraftDrafterForCausalLM(PreTrainedModel, GenerationMixin):
         out = self.drafter(input_ids=self.to_drafter[input_ids], attention_mask=attention_mask,
                            position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
                            logits_to_keep=logits_to_keep, **kwargs)
-        unmapped = out.logits.shape[-1] - 1
         # the unmapped id's logit becomes -inf, then every target id reads its drafter id's logit
-        logits = out.logits.index_fill(-1, torch.tensor([unmapped], device=out.logits.device), float("-inf"))
+        logits = out.logits.index_fill(-1, torch.tensor([self.unmapped], device=out.logits.device), float("-inf"))
         return CausalLMOutputWithPast(logits=logits.index_select(-1, self.to_drafter),
                                       past_key_values=out.past_key_values, hidden_states=out.hidden_states,
                                       attentions=out.attentions)

@@ -10,7 +10,8 @@
   which the greedy gate tolerates (pipeline/evaluation.py). The drafter then runs in the chosen dtype too, as
   vLLM and transformers' assisted generation serve a draft model in the target's.
 - **K per method and temperature** (``eval.choose_k``). From the τ of the warm-up decodes and the measured c
-  and v(K), the K among the measured ones whose predicted speedup τ(K) / (K·c + v(K)) is highest. When no K is
+  and v(K), the K among the measured ones whose predicted speedup τ(K) / (K·c + v(K)) is highest (a parallel
+  drafter's round costs its one measured forward, draft(K), instead of K·c). When no K is
   predicted above 1, the method still runs at that K (so the table shows what it measures), its recommended K
   is 0 (the target alone) and one line says what the drafter would need.
 """
@@ -74,8 +75,9 @@ def pick_dtype(timings: dict, recipe_dtype: str) -> str:
     return min(eligible, key=lambda dtype: timings[dtype]["verify_s"])
 
 
-def choose_k(taus: dict[int, float], c: float, v: dict[int, float]) -> dict:
-    """The K of ``v`` with the highest predicted speedup τ(K) / (K·c + v(K)). τ(K) is the warm-up's where it ran
+def choose_k(taus: dict[int, float], c: float, v: dict[int, float], draft: dict[int, float] | None = None) -> dict:
+    """The K of ``v`` with the highest predicted speedup τ(K) / (K·c + v(K)), or τ(K) / (draft(K) + v(K)) with a
+    round's drafting cost measured (a parallel drafter: one forward whatever K). τ(K) is the warm-up's where it ran
     that K, else the i.i.d. formula's with the acceptance rate that reproduces the τ of the nearest K it ran
     (metrics.alpha_from_tau: accepted ÷ drafted understates it when acceptances cluster). Recommended K 0 when
     no K is predicted above 1."""
@@ -86,15 +88,16 @@ def choose_k(taus: dict[int, float], c: float, v: dict[int, float]) -> dict:
         return expected_tokens(alpha_from_tau(taus[nearest], nearest), k)
 
     expected = {k: tau(k) for k in sorted(v)}
-    predicted = {k: expected[k] / (k * c + v[k]) for k in expected}
+    predicted = {k: expected[k] / ((k * c if draft is None else draft[k]) + v[k]) for k in expected}
     best = max(predicted, key=predicted.get)
     return {"k": best, "recommended_k": best if predicted[best] > 1 else 0, "tau": expected,
             "predicted_speedup": predicted}
 
 
-def no_k_pays(method: str, k: int, c: float, v: float, tau: float, machine: str) -> str:
+def no_k_pays(method: str, k: int, c: float, v: float, tau: float, machine: str, draft: float | None = None) -> str:
     """The one line that says why no K pays: what a round costs and the τ it would need."""
-    cost = k * c + v
+    cost = (k * c if draft is None else draft) + v
+    drafting = f"{k} × c {c:.3f}" if draft is None else f"one parallel draft forward {draft:.3f}"
     return (f"{method}: no K pays on this {machine}: a round of {k} drafts costs {cost:.2f} target steps "
-            f"({k} × c {c:.3f} + v({k}) {v:.2f}); the drafter would need τ ≥ {cost:.2f} to break even; "
+            f"({drafting} + v({k}) {v:.2f}); the drafter would need τ ≥ {cost:.2f} to break even; "
             f"τ at K={k} in the warm-up: {tau:.2f}")

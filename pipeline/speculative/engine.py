@@ -24,7 +24,8 @@ import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from pipeline import device as devices
-from pipeline.models.vocab import VocabMap
+from pipeline.config import ConfigError
+from pipeline.models.vocab import PARD_K, PARD_TOKEN, VocabMap
 from pipeline.speculative.sampler import Sampling, probabilities, sample, verify, verify_greedy
 
 
@@ -34,6 +35,7 @@ class CachedModel:
     def __init__(self, model, vocab_map: VocabMap | None = None):
         self.model = model
         self.vocab_map = vocab_map
+        self.mask_id = getattr(model.config, PARD_TOKEN, None)  # a parallel drafter's (a drafter id)
         self.reset()
 
     def reset(self) -> None:
@@ -44,26 +46,30 @@ class CachedModel:
         self.length = 0
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, keep: int) -> torch.Tensor:
-        """Feed (1, n) target ids; return the logits of the last ``keep`` positions over the ids the model can
-        propose: (1, keep, V), or (1, keep, N) over a vocabulary map's ids (its input-only unk id left out)."""
+    def forward(self, tokens: torch.Tensor, keep: int, masks: int = 0) -> torch.Tensor:
+        """Feed (1, n) target ids, then ``masks`` mask tokens; return the logits of the last ``keep`` positions
+        over the ids the model can propose: (1, keep, V), or (1, keep, N) over a vocabulary map's ids (its
+        input-only unk and mask ids, N and N + 1, left out)."""
         ids = self.vocab_map.encode(tokens) if self.vocab_map is not None else tokens
+        if masks:
+            ids = torch.cat([ids, ids.new_full((1, masks), self.mask_id)], dim=1)
         logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=keep).logits
         if self.vocab_map is not None:
             logits = logits[..., : self.vocab_map.unk_id]
-        self.length += tokens.shape[1]
+        self.length += ids.shape[1]
         return logits.float()
 
     def target_ids(self, columns: torch.Tensor) -> torch.Tensor:
         """Columns of ``forward``'s logits -> target ids."""
         return self.vocab_map.decode(columns) if self.vocab_map is not None else columns
 
-    def feed(self, sequence: torch.Tensor, extra: torch.Tensor | None = None, keep: int = 1) -> torch.Tensor:
-        """Feed the part of ``sequence`` not cached yet (plus ``extra`` tokens); logits of the last ``keep``."""
+    def feed(self, sequence: torch.Tensor, extra: torch.Tensor | None = None, keep: int = 1, masks: int = 0) -> torch.Tensor:
+        """Feed the part of ``sequence`` not cached yet (plus ``extra`` tokens, then ``masks`` mask tokens);
+        logits of the last ``keep``."""
         pending = sequence[:, self.length:]
         if extra is not None:
             pending = torch.cat([pending, extra], dim=1)
-        return self.forward(pending, keep)
+        return self.forward(pending, keep, masks)
 
     def rollback(self, length: int) -> None:
         """Keep the first ``length`` cached tokens (transformers 5: a negative crop drops that many)."""
@@ -101,25 +107,67 @@ class ModelDrafter:
         tokens, probs = [], []
         logits = self.lm.feed(sequence)[:, -1]
         for i in range(k):
-            distribution = probabilities(logits, sampling) if not sampling.greedy else None
-            if self.min_confidence > 0:
-                confidence = (distribution if distribution is not None else torch.softmax(logits, -1)).max()
-                if confidence < self.min_confidence:
-                    break
-            if distribution is None:
-                column = logits.argmax(-1)
-            else:
-                probs.append(distribution)
-                column = sample(distribution, generator)
-            tokens.append(self.lm.target_ids(column))
+            if not self.pick(logits, sampling, generator, tokens, probs):
+                break
             if i < k - 1:
                 logits = self.lm.forward(tokens[-1][:, None], keep=1)[:, -1]
+        return self.draft(sequence, tokens, probs)
+
+    def pick(self, logits, sampling, generator, tokens: list, probs: list) -> bool:
+        """Draft one token from (1, N) ``logits`` into ``tokens`` (its distribution into ``probs`` at T > 0);
+        False, drafting nothing, where the drafter is less sure than ``min_confidence``."""
+        distribution = probabilities(logits, sampling) if not sampling.greedy else None
+        if self.min_confidence > 0:
+            confidence = (distribution if distribution is not None else torch.softmax(logits, -1)).max()
+            if confidence < self.min_confidence:
+                return False
+        if distribution is None:
+            column = logits.argmax(-1)
+        else:
+            probs.append(distribution)
+            column = sample(distribution, generator)
+        tokens.append(self.lm.target_ids(column))
+        return True
+
+    def draft(self, sequence, tokens: list, probs: list) -> Draft:
         if not tokens:
             return Draft(sequence.new_zeros((1, 0)))
         return Draft(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None, self.lm.vocab_map)
 
     def rollback(self, length: int) -> None:
         self.lm.rollback(length)
+
+
+class ParallelDrafter(ModelDrafter):
+    """Proposes up to K tokens in ONE drafter forward (PARD, Song et al. 2025): the tokens it has not cached,
+    then K − 1 copies of its mask token (``config.pard_token``); the logits at the last real token and at each
+    mask are the K positions' distributions. Each is conditioned on the context alone, not on the drafts
+    before it: a proposal like any other, so the sampler stays exact. The masks leave the cache at once, and
+    the next round starts from the context. It learned ``config.pard_k`` positions; more are refused."""
+
+    def propose(self, sequence, k, sampling, generator) -> Draft:
+        check_parallel_k(self.lm.model.config, [k])
+        logits = self.lm.feed(sequence, keep=k, masks=k - 1)
+        self.lm.rollback(sequence.shape[1])
+        tokens, probs = [], []
+        for i in range(k):
+            if not self.pick(logits[:, i], sampling, generator, tokens, probs):
+                break
+        return self.draft(sequence, tokens, probs)
+
+
+def check_parallel_k(config, ks) -> None:
+    """Refuse, in one line, more draft positions than a parallel drafter was trained for."""
+    if (trained := getattr(config, PARD_K, None)) is not None and max(ks, default=0) > trained:
+        raise ConfigError(f"K={max(ks)} draft tokens, but this parallel drafter learned {trained} positions: set "
+                          f"eval.num_draft_tokens and eval.k_sweep to at most {trained}, or finetune it with "
+                          f"train.finetune.parallel_draft.k={max(ks)}")
+
+
+def model_drafter(model, vocab_map: VocabMap | None = None, min_confidence: float = 0.0) -> ModelDrafter:
+    """The drafter a model makes: parallel when it was trained to (its config names a mask token)."""
+    kind = ParallelDrafter if getattr(model.config, PARD_TOKEN, None) is not None else ModelDrafter
+    return kind(model, vocab_map, min_confidence)
 
 
 class PromptLookupDrafter:
@@ -284,33 +332,41 @@ def generate(
     return result
 
 
-def timed_forward(lm: CachedModel, tokens: torch.Tensor) -> float:
-    """Seconds of one forward over ``tokens`` after the cached prefix, which is then restored."""
+def timed_forward(lm: CachedModel, tokens: torch.Tensor, masks: int = 0) -> float:
+    """Seconds of one forward over ``tokens`` (then ``masks`` mask tokens) after the cached prefix, which is then
+    restored."""
     length = lm.length
     started = devices.clock(tokens.device)
-    lm.forward(tokens, keep=tokens.shape[1])
+    lm.forward(tokens, keep=tokens.shape[1] + masks, masks=masks)
     seconds = devices.clock(tokens.device) - started
     lm.rollback(length)
     return seconds
 
 
 def step_costs(target: CachedModel, drafter: CachedModel, prompt_ids: torch.Tensor, ks: list[int], repetitions: int = 10):
-    """The formula's costs on this machine: c = drafter step / target step, v(K) = target verify(K+1) / target step.
-    Medians over repetitions that interleave the measured forwards, so load changes hit them alike. Call it
-    after a warm-up: the first forwards on a GPU pay for kernel selection and allocation."""
+    """The formula's costs on this machine, in target steps: c = drafter step / target step, v(K) = target
+    verify(K+1) / target step, and draft(K) = a round's drafting: K·c for an autoregressive drafter, one forward
+    of its K positions (the context's last token and K − 1 masks) for a parallel one. Medians over repetitions
+    that interleave the measured forwards, so load changes hit them alike. Call it after a warm-up: the first
+    forwards on a GPU pay for kernel selection and allocation."""
     for lm in (target, drafter):
         lm.reset()
         lm.forward(prompt_ids, keep=1)
     tokens = prompt_ids[:, -1:].repeat(1, max(ks) + 1)
-    times = {"target": [], "drafter": [], **{k: [] for k in ks}}
+    parallel = drafter.mask_id is not None
+    times = {"target": [], "drafter": [], **{k: [] for k in ks}, **{("draft", k): [] for k in ks if parallel}}
     for _ in range(repetitions):
         times["target"].append(timed_forward(target, tokens[:, :1]))
         times["drafter"].append(timed_forward(drafter, tokens[:, :1]))
         for k in ks:
             times[k].append(timed_forward(target, tokens[:, : k + 1]))
+            if parallel:
+                times["draft", k].append(timed_forward(drafter, tokens[:, :1], masks=k - 1))
     median = {key: statistics.median(values) for key, values in times.items()}
-    return {"target_step_s": median["target"], "drafter_step_s": median["drafter"],
-            "c": median["drafter"] / median["target"], "v": {k: median[k] / median["target"] for k in ks}}
+    c = median["drafter"] / median["target"]
+    return {"target_step_s": median["target"], "drafter_step_s": median["drafter"], "c": c,
+            "v": {k: median[k] / median["target"] for k in ks},
+            "draft": {k: median["draft", k] / median["target"] if parallel else k * c for k in ks}}
 
 
 @torch.inference_mode()
@@ -328,9 +384,10 @@ def expected_tokens(alpha: float, k: int) -> float:
     return k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
-    """Leviathan et al.'s expected speedup: expected tokens per target call / (K·c + v)."""
-    return expected_tokens(alpha, k) / (k * c + v)
+def predicted_speedup(alpha: float, k: int, c: float, v: float, draft: float | None = None) -> float:
+    """Leviathan et al.'s expected speedup: expected tokens per target call / (K·c + v), or / (draft + v) with a
+    round's drafting cost ``draft`` measured (a parallel drafter's one forward)."""
+    return expected_tokens(alpha, k) / ((k * c if draft is None else draft) + v)
 
 
 @contextlib.contextmanager

@@ -66,15 +66,15 @@ from pipeline.evaluation import (
 )
 from pipeline.jsonl import write_jsonl
 from pipeline.models.drafter import check_drafter
-from pipeline.models.export import SINGLE_KV_GROUP, VLLM_DIR, exported_vocab, sliding_window_target, vllm_mapping_problem
+from pipeline.models.export import (EXPORT_FOLDER, SINGLE_KV_GROUP, VLLM_DIR, draft_model_spec, exported_vocab,
+                                    sliding_window_target, vllm_mapping_problem)
 from pipeline.models.provision import load_tokenizer, model_path
 from pipeline.models.vocab import TokenizerMismatchError, VocabMap, check_tokenizers
 from pipeline.prompts import prompt_ids, stop_strings, stop_token_ids
-from pipeline.rundir import EXPORT, StageInputError, make_command, stage_dir
+from pipeline.rundir import StageInputError, make_command, stage_dir
 from pipeline.serving.server import ServingError, VLLMServer, served_dtype, target_server
 from pipeline.speculative.engine import Generation
 from pipeline.speculative.metrics import measure, method_stats, speedup
-from pipeline.stages.export import FOLDER as EXPORT_FOLDER
 
 COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
             "accepted": "vllm:spec_decode_num_accepted_tokens"}
@@ -91,7 +91,7 @@ def check(cfg: DictConfig, directory, target_path: str, drafter_path: str) -> di
         raise ConfigError(CPU_GREEDY_ONLY)
     if not Path(drafter_path).is_dir():
         raise FileNotFoundError(f"drafter folder {drafter_path} does not exist; set eval.drafter_path to an HF folder")
-    spec = {"method": "draft_model", "model": drafter_path, "num_speculative_tokens": cfg.eval.num_draft_tokens}
+    k = cfg.eval.num_draft_tokens
     if (Path(drafter_path) / VLLM_DIR).is_dir():  # eval.drafter_path names the export of a reduced-vocabulary drafter
         export = Path(drafter_path)
         vocab = exported_vocab(export)
@@ -105,12 +105,12 @@ def check(cfg: DictConfig, directory, target_path: str, drafter_path: str) -> di
     else:
         vocab = check_drafter(drafter_path, target_path)  # the tokenizer gate, without loading weights
         if vocab is None:
-            return spec
+            return draft_model_spec(drafter_path, k, heterogeneous=False)
         export = finetune_export(cfg, directory, drafter_path, vocab)
     problem = vllm_mapping_problem(target_path, export, vocab)
     if problem is not None:
         raise TokenizerMismatchError(f"eval.engine=vllm cannot run {export / VLLM_DIR}: {problem}")
-    return spec | {"model": str((export / VLLM_DIR).resolve()), "use_heterogeneous_vocab": True}
+    return draft_model_spec((export / VLLM_DIR).resolve(), k, heterogeneous=True)
 
 
 def finetune_export(cfg: DictConfig, directory, drafter_path: str, vocab: VocabMap) -> Path:
@@ -120,8 +120,8 @@ def finetune_export(cfg: DictConfig, directory, drafter_path: str, vocab: VocabM
     if "finetune" not in directory.inputs:  # eval.drafter_path names a reduced drafter folder: its export is unknown
         raise ConfigError(f"eval.engine=vllm runs a reduced-vocabulary drafter ({vocab.unk_id} ids) through the vLLM "
                           f"form of its export, and {drafter_path} is not an export: {fix}")
-    export, finetune = stage_dir(cfg, EXPORT, check_inputs=False), directory.inputs["finetune"]
-    folder, command = export.path / EXPORT_FOLDER, f"`{make_command(cfg, EXPORT)}`"
+    export, finetune = stage_dir(cfg, "export", check_inputs=False), directory.inputs["finetune"]
+    folder, command = export.path / EXPORT_FOLDER, f"`{make_command(cfg, 'export')}`"
     if not export.is_complete():
         state = "no complete export"
     elif (json.loads(export.manifest_path.read_text())["inputs"]["finetune"]["config_hash"] != finetune.config_hash

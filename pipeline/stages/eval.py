@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
+from transformers import AutoConfig
 
 from pipeline import report
 from pipeline.config import EVAL_METHODS, Config, ConfigError
@@ -78,11 +79,12 @@ from pipeline.speculative.engine import (
     CachedModel,
     Generation,
     LookupThenModelDrafter,
-    ModelDrafter,
     PromptLookupDrafter,
     StopCondition,
+    check_parallel_k,
     generate,
     hf_generate,
+    model_drafter,
     predicted_speedup,
     step_costs,
     top2_gap,
@@ -117,13 +119,13 @@ class Decoders:
         self.drafter_model = drafter_model.to(target_model.dtype).eval()
         self.target = CachedModel(target_model)
         confidence = cfg.eval.draft_confidence
-        self.drafter = ModelDrafter(self.drafter_model, vocab_map, confidence)
+        self.drafter = model_drafter(self.drafter_model, vocab_map, confidence)
         self.pld = PromptLookupDrafter(target_model.config.vocab_size)
         self.hybrid = LookupThenModelDrafter(self.pld, self.drafter)
         self.stop = stop_condition(cfg.target, tokenizer, target_model)
         self.hf_assisted = vocab_map is None  # transformers' assistant must share the target's vocabulary
         self.router = LanguageRouter(
-            {src: ModelDrafter(model.to(target_model.dtype).eval(), vocab, confidence)
+            {src: model_drafter(model.to(target_model.dtype).eval(), vocab, confidence)
              for src, (model, vocab) in router_drafters.items()},
             self.drafter)
         self.k_choice: dict = {}  # "T=<t>" -> method -> costs.choose_k's record (eval.choose_k)
@@ -324,10 +326,11 @@ def load_inputs(cfg: DictConfig, drafter_path: str, device: torch.device) -> tup
     target_path = model_path(cfg.target, cfg.paths.models_dir)
     if not Path(drafter_path).is_dir():
         raise FileNotFoundError(f"drafter folder {drafter_path} does not exist; set eval.drafter_path to an HF folder")
+    router_paths = {lang_config(cfg, pair).lang.src: finetuned_drafter(cfg, pair) for pair in ev.router_langs}
+    for path in (drafter_path, *router_paths.values()):  # a parallel drafter: no K past its training
+        check_parallel_k(AutoConfig.from_pretrained(path), [ev.num_draft_tokens, *ev.k_sweep])
     drafter_model, vocab_map = load_drafter(drafter_path, target_path, device=device)
-    router_drafters = {lang_config(cfg, pair).lang.src: load_drafter(finetuned_drafter(cfg, pair), target_path,
-                                                                     device=device)
-                       for pair in ev.router_langs}
+    router_drafters = {src: load_drafter(path, target_path, device=device) for src, path in router_paths.items()}
     tokenizer = load_tokenizer(target_path)
 
     pairs = eval_pairs(cfg)
@@ -542,7 +545,7 @@ def worker(argv: list[str]) -> None:
                                     (shard, processes), session, path / SHARD.format(shard),
                                     lambda: bool(received) or os.getppid() != stage)
     except Exception as exc:
-        if not report_error(exc):
+        if report_error(exc) is None:
             raise
         raise SystemExit(2) from None  # a user error: the stage prints it, once
     if not finished:
@@ -579,11 +582,13 @@ def choose_ks(cfg: DictConfig, pilot: dict, costs: dict, device: torch.device) -
                     for (pt, name), generation in pilot.items() if pt == t and name.split("_k")[0] == method}
             if not taus:
                 continue
-            c = costs["c"] if method in MODEL_DRAFTED else 0.0
-            picked = choose_k(taus, c, costs["v"])
+            drafted = method in MODEL_DRAFTED
+            c, draft = (costs["c"], costs["draft"]) if drafted else (0.0, None)
+            picked = choose_k(taus, c, costs["v"], draft)
             if picked["recommended_k"] == 0:
                 k = picked["k"]
-                picked["no_k_pays"] = no_k_pays(method, k, c, costs["v"][k], picked["tau"][k], machine)
+                picked["no_k_pays"] = no_k_pays(method, k, c, costs["v"][k], picked["tau"][k], machine,
+                                                draft[k] if drafted else None)
             choice.setdefault(f"T={t}", {})[method] = picked
     return choice
 
@@ -612,9 +617,12 @@ def preempted(path: Path, todo: int) -> int:
 
 
 def step_costs_of(progress: dict) -> dict:
-    """The costs as step_costs returns them (progress.json's JSON keys v(K) by strings)."""
+    """The costs as step_costs returns them (progress.json's JSON keys v(K) and draft(K) by strings; an eval
+    begun before draft(K) was measured: an autoregressive drafter's K·c)."""
     costs = progress["costs"]
-    return costs | {"v": {int(k): v for k, v in costs["v"].items()}}
+    v = {int(k): value for k, value in costs["v"].items()}
+    draft = {int(k): value for k, value in costs.get("draft", {k: k * costs["c"] for k in v}).items()}
+    return costs | {"v": v, "draft": draft}
 
 
 def finetuned_drafter(cfg: DictConfig, pair: str) -> str:
@@ -645,8 +653,10 @@ def seed_stats(outputs: dict, variants: list, costs: dict) -> dict:
     for name, method, k in variants:
         stats[name]["speedup"] = speedup(stats[name], stats["target"])
         if "alpha" in stats[name]:
-            c = costs["c"] if method in MODEL_DRAFTED else 0.0  # a prompt lookup costs next to nothing
-            stats[name]["predicted_speedup"] = predicted_speedup(stats[name]["alpha"], k, c, costs["v"].get(k, 1.0))
+            drafted = method in MODEL_DRAFTED  # a prompt lookup costs next to nothing
+            stats[name]["predicted_speedup"] = predicted_speedup(
+                stats[name]["alpha"], k, costs["c"] if drafted else 0.0, costs["v"].get(k, 1.0),
+                costs["draft"].get(k) if drafted else None)
     return stats
 
 

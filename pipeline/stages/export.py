@@ -32,8 +32,10 @@ from pipeline.evaluation import GreedyGate, environment, greedy_gate_line, heldo
 from pipeline.jsonl import write_jsonl
 from pipeline.models.drafter import load_drafter
 from pipeline.models.export import (
+    EXPORT_FOLDER,
     SINGLE_KV_GROUP,
     VLLM_DIR,
+    draft_model_spec,
     draft_tensor_parallel_sizes,
     export_drafter,
     sliding_window_target,
@@ -48,7 +50,6 @@ from pipeline.speculative.metrics import alpha_from_tau
 from pipeline.speculative.sampler import Sampling
 from pipeline.training.loop import exit_on_preemption
 
-FOLDER = "drafter"
 SAMPLES = "samples.jsonl"
 NOISE_SE = 4  # |tau_hf - tau_ours| beyond this many standard errors of the difference fails the stage
 
@@ -59,7 +60,7 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
     device = resolve_device(ev.device)
     target_path = model_path(cfg.target, cfg.paths.models_dir)
     finetuned = str(directory.inputs["finetune"].path / "drafter")
-    folder = directory.path / FOLDER
+    folder = directory.path / EXPORT_FOLDER
     vocab = export_drafter(finetuned, target_path, folder, ev.num_draft_tokens)
     vllm = vllm_form(target_path, folder, vocab, ev.num_draft_tokens)
     smoke, gate = smoke_check(cfg, target_path, finetuned, folder, device, directory.path)
@@ -87,15 +88,13 @@ def vllm_form(target_path: str, folder, vocab, k: int) -> dict:
     run it."""
     single_kv_group = sliding_window_target(target_path)
     if vocab is None:
-        return {"speculative_config": {"method": "draft_model", "model": str(folder.resolve()),
-                                       "num_speculative_tokens": k},
+        return {"speculative_config": draft_model_spec(folder.resolve(), k, heterogeneous=False),
                 "disable_hybrid_kv_cache_manager": single_kv_group, "reason": None,
                 "tensor_parallel_sizes": draft_tensor_parallel_sizes(folder)}
     problem = vllm_mapping_problem(target_path, folder, vocab)
     if problem is not None:
         return {"speculative_config": None, "reason": problem}
-    return {"speculative_config": {"method": "draft_model", "model": str((folder / VLLM_DIR).resolve()),
-                                   "num_speculative_tokens": k, "use_heterogeneous_vocab": True},
+    return {"speculative_config": draft_model_spec((folder / VLLM_DIR).resolve(), k, heterogeneous=True),
             "disable_hybrid_kv_cache_manager": single_kv_group, "reason": None,
             "tensor_parallel_sizes": draft_tensor_parallel_sizes(folder / VLLM_DIR)}
 
@@ -130,6 +129,7 @@ def smoke_check(cfg: DictConfig, target_path: str, finetuned: str, folder, devic
     exported = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=target_model.dtype)
     exported = exported.to(device).eval()
     drafter, vocab = load_drafter(finetuned, target_path, device=device)
+    # autoregressive, a parallel drafter too: transformers' assisted generation drafts one token per forward
     ours = ModelDrafter(drafter.to(target_model.dtype).eval(), vocab)
     target = CachedModel(target_model)
     stop = stop_condition(cfg.target, tokenizer, target_model)

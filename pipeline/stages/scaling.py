@@ -32,16 +32,18 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from pipeline.config import FinetuneMode, ScalingSeries, compose_config
+from pipeline.config import FinetuneMode, ScalingSeries, with_overrides
 from pipeline.device import resolve_device
 from pipeline.evaluation import greedy_heldout_examples
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.report import summary_of
-from pipeline.rundir import SCALING, StageInputError, make_command, stage_dir
+from pipeline.errors import USER_ERRORS
+from pipeline.rundir import StageDir, StageInputError, make_command, stage_dir
+from pipeline.runner import run_stage
 from pipeline.speculative.engine import CachedModel, expected_tokens, predicted_speedup, step_costs
 from pipeline.speculative.metrics import mean_and_standard_error
-from pipeline.tracking import stage_tracker
+from pipeline.tracking import Tracker
 from pipeline.training.data import IGNORE
 from pipeline.training.on_policy import HeldOut
 
@@ -58,6 +60,7 @@ SERIES = {  # series -> (finetune mode, on-policy phase)
 }
 # The anchors' eval: the drafter against the target alone, K = eval.num_draft_tokens, the first seed at T>0.
 ANCHOR_EVAL = ["eval.methods=[target,speculative]", "eval.k_sweep=[]", "eval.matrix_langs=[]", "eval.router_langs=[]"]
+POINT = ["force=false"]  # the study's force=true measures again; it does not redo its finetunes and anchors
 
 
 @dataclass(frozen=True)
@@ -80,21 +83,21 @@ def point_overrides(cfg: DictConfig, point: Point) -> list[str]:
             f"train.finetune.data_fraction={point.fraction}", f"train.finetune.on_policy.enabled={on_policy}"]
 
 
-def run_stage(stage: str, overrides: list[str], what: str, retry: str) -> None:
-    from pipeline.cli import main as cli  # the CLI runs the stages; importing it at the top would be circular
+def point_stage(stage: str, cfg: DictConfig, what: str, retry: str) -> StageDir:
+    """The study's finetune or eval ``stage`` for ``cfg`` (skipped where complete); a user error names the point."""
+    try:
+        return run_stage(stage, cfg)
+    except USER_ERRORS as exc:
+        raise StageInputError(f"the {stage} of {what} failed: {exc}; `{retry}` resumes the study") from exc
 
-    if cli([stage, *overrides]) != 0:
-        raise StageInputError(f"the {stage} of {what} failed (its error is above); `{retry}` resumes the study")
 
-
-def drafters(cfg: DictConfig, base: list[str], points: list[Point], retry: str) -> dict[str, dict]:
+def drafters(cfg: DictConfig, points: list[Point], retry: str) -> dict[str, dict]:
     """Every point's finetuned drafter (finetuning those not done yet), then the pretrained one:
     name -> {"folder", "records", "prompts"}."""
     out = {}
     for point in points:
-        overrides = [*base, *point_overrides(cfg, point)]
-        run_stage("finetune", overrides, f"scaling point {point.name}", retry)
-        directory = stage_dir(compose_config(overrides), "finetune")
+        directory = point_stage("finetune", with_overrides(cfg, [*POINT, *point_overrides(cfg, point)]),
+                                f"scaling point {point.name}", retry)
         counts = json.loads((directory.path / "manifest.json").read_text())["counts"]
         out[point.name] = {"folder": str(directory.path / "drafter"), "records": counts["records"],
                            "prompts": counts.get("prompts")}  # finetunes made before scaling did not count prompts
@@ -102,15 +105,15 @@ def drafters(cfg: DictConfig, base: list[str], points: list[Point], retry: str) 
     return out
 
 
-def anchor_evals(cfg: DictConfig, base: list[str], found: dict[str, dict], retry: str) -> dict[str, dict]:
+def anchor_evals(cfg: DictConfig, found: dict[str, dict], retry: str) -> dict[str, dict]:
     """The eval stage on each anchor's drafter: measured {"T0": {speedup, tau, alpha}, "T1": ...}."""
     out = {}
     for name in cfg.scaling.anchors:
         label = name.replace("@", "-")
-        overrides = [*base, f"run={cfg.run}-scaling-anchor-{label}", f"eval.drafter_path={found[name]['folder']}",
-                     *ANCHOR_EVAL, f"eval.seeds=[{cfg.eval.seeds[0]}]"]
-        run_stage("eval", overrides, f"scaling anchor {name}", retry)
-        eval_dir = stage_dir(compose_config(overrides), "eval").path
+        anchor = with_overrides(cfg, [*POINT, f"run={cfg.run}-scaling-anchor-{label}",
+                                      f"eval.drafter_path={found[name]['folder']}", *ANCHOR_EVAL,
+                                      f"eval.seeds=[{cfg.eval.seeds[0]}]"])
+        eval_dir = point_stage("eval", anchor, f"scaling anchor {name}", retry).path
         out[name] = {"eval_dir": str(eval_dir), **summary_of(json.loads((eval_dir / "metrics.json").read_text()))}
     return out
 
@@ -206,25 +209,13 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def run(cfg: DictConfig, overrides: list[str]) -> None:
-    """The study, under the scaling directory's lock (its finetune and eval points take their own)."""
-    directory = stage_dir(cfg, SCALING)
-    with directory.claim():
-        study(cfg, overrides, directory)
-
-
-def study(cfg: DictConfig, overrides: list[str], directory) -> None:
-    """Finetunes, anchors, measures, scaling.json and scaling.png in the scaling directory."""
-    if not directory.begin(cfg, force=cfg.force):
-        print(f"scaling: {directory.path} is complete for this config; skipping (force=true measures again)")
-        print((directory.path / "scaling.txt").read_text())
-        return
+def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
+    """Finetunes, anchors, measures, scaling.json, scaling.png and scaling.txt in the scaling directory."""
     started = time.time()
-    base = [o for o in overrides if not o.startswith("force=")]  # force re-measures; it does not refinish points
-    retry, sc = make_command(cfg, SCALING), cfg.scaling
+    retry, sc = make_command(cfg, "scaling"), cfg.scaling
     points = [Point(ScalingSeries(s), float(f)) for s in sc.series for f in sorted(sc.fractions)]
-    found = drafters(cfg, base, points, retry)
-    anchors = anchor_evals(cfg, base, found, retry)
+    found = drafters(cfg, points, retry)
+    anchors = anchor_evals(cfg, found, retry)
     measured, costs, heldout_tokens = measure(cfg, found)
     k = cfg.eval.num_draft_tokens
     result = {"pair": cfg.lang.pair, "target": cfg.target.name, "drafter": cfg.drafter.name, "K": k,
@@ -247,10 +238,8 @@ def study(cfg: DictConfig, overrides: list[str], directory) -> None:
     plot(result, directory.path / "scaling.png")
     text = table(result)
     (directory.path / "scaling.txt").write_text(text + "\n")
-    with stage_tracker(cfg, SCALING, directory.path) as tracker:
-        for name, p in result["points"].items():
-            tracker.summary({f"{name}/{key}": p[key]["mean"] for key in ("t0_agreement", "t1_acceptance")}
-                            | {f"{name}/predicted_tau_T0": p["predicted"]["T0"]["tau"]})
-    directory.finish(cfg, {"points": len(found), "anchors": len(anchors), "wall_time_s": result["wall_time_s"]})
+    for name, p in result["points"].items():
+        tracker.summary({f"{name}/{key}": p[key]["mean"] for key in ("t0_agreement", "t1_acceptance")}
+                        | {f"{name}/predicted_tau_T0": p["predicted"]["T0"]["tau"]})
     print(text)
-    print(f"scaling: done in {result['wall_time_s'] / 60:.1f} min -> {directory.path / 'scaling.json'}, scaling.png")
+    return {"points": len(found), "anchors": len(anchors)}

@@ -13,8 +13,8 @@ SLURM_* variables). Both ways write the same outputs: the drafter folder, ``metr
 per logged step, replayed into the stage's tracker) and the counts for the manifest.
 
 A worker that fails writes its error to ``<stage dir>/worker-errors/rank-N.json`` (the folder is named
-by ``SPECDRAFT_WORKER_ERRORS``); the stage raises it again, so a user error (a ``pipeline.cli``
-USER_ERRORS one) ends the command in the same one line as in a single process. A preemption signal
+by ``SPECDRAFT_WORKER_ERRORS``); the stage raises it again, so a user error (one of
+``pipeline.errors.USER_ERRORS``) ends the command in the same one line as in a single process. A preemption signal
 (SIGTERM, SIGUSR1) to the stage is passed to the workers themselves, which checkpoint at the end of the
 step and exit; the launcher is left alone (torchrun would SIGKILL its workers 30 s after a SIGTERM).
 """
@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline.config import Config, ConfigError, option_file
 from pipeline.durable import write_atomic
 from pipeline.jsonl import AppendOnlyJsonl, read_jsonl
+from pipeline.errors import USER_ERRORS, user_error
 from pipeline.rundir import StageDir, stage_dir
 from pipeline.serving.server import free_port
 from pipeline.tracking import Tracker
@@ -141,8 +142,6 @@ def stop_workers(reaper: subprocess.Popen) -> None:
 def worker_error(errors_dir: Path, stage: str, code: int) -> Exception:
     """The error to end a failed launch with: a worker's user error as it was raised, else the first one
     raised (the others are often its echo: a collective that lost its peer)."""
-    from pipeline.cli import USER_ERRORS
-
     reports = [json.loads(path.read_text()) for path in errors_dir.glob("rank-*.json")]
     reports.sort(key=lambda report: (not report["user_error"], report["time"]))
     if not reports:
@@ -201,19 +200,18 @@ def run_training(cfg: DictConfig, stage: str, directory: StageDir, tracker: Trac
     return json.loads((directory.path / SUMMARY).read_text())
 
 
-def report_error(exc: Exception) -> bool:
-    """In a worker: write ``exc`` where the stage reads it; True for a user error (its message is the whole story)."""
-    from pipeline.cli import USER_ERRORS
-
-    user_error = isinstance(exc, USER_ERRORS)
+def report_error(exc: Exception) -> Exception | None:
+    """In a worker: write ``exc`` where the stage reads it; the user's error it is (its message is the whole
+    story), None for a bug."""
+    exc = user_error(exc) or exc
     errors_dir = os.environ.get(WORKER_ERRORS_ENV)
     if errors_dir:
         rank = int(os.environ.get("RANK", "0"))
         report = {"rank": rank, "type": f"{type(exc).__module__}.{type(exc).__qualname__}", "message": str(exc),
-                  "user_error": user_error, "time": time.time()}
+                  "user_error": isinstance(exc, USER_ERRORS), "time": time.time()}
         Path(errors_dir).mkdir(parents=True, exist_ok=True)
         write_atomic(Path(errors_dir) / f"rank-{rank}.json", json.dumps(report) + "\n")
-    return user_error
+    return exc if isinstance(exc, USER_ERRORS) else None
 
 
 def main(argv: list[str]) -> None:
@@ -236,10 +234,10 @@ def main(argv: list[str]) -> None:
         directory = stage_dir(cfg, stage, check_inputs=False)
         counts = importlib.import_module(f"pipeline.stages.{stage}").train(cfg, directory, MetricsLog(directory.path / METRICS))
     except Exception as exc:
-        if not report_error(exc):
+        if (error := report_error(exc)) is None:
             raise
         if WORKER_ERRORS_ENV not in os.environ:  # else the stage prints it, once
-            print(f"error (rank {PartialState().process_index}): {exc}", file=sys.stderr)
+            print(f"error (rank {PartialState().process_index}): {error}", file=sys.stderr)
         raise SystemExit(2) from None  # a user error: no traceback from every rank
     if PartialState().is_main_process:
         write_atomic(directory.path / SUMMARY, json.dumps(counts) + "\n")

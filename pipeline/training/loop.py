@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 from omegaconf import DictConfig
 from safetensors import SafetensorError
@@ -41,11 +40,13 @@ from tqdm import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from pipeline.config import ConfigError, Loss
-from pipeline.durable import fsync_tree, write_atomic
-from pipeline.models.drafter import save_drafter
+from pipeline.durable import DiskFullError, fsync_tree, no_room_line, out_of_room, write_atomic
+from pipeline.models.drafter import make_parallel, save_drafter
 from pipeline.models.provision import ModelNotFoundError
-from pipeline.models.vocab import VocabMap
-from pipeline.training.data import IGNORE, Collator, label_coverage
+from pipeline.models.vocab import PARD_TOKEN, VocabMap
+from pipeline.training import parallel_draft
+from pipeline.training.data import IGNORE, Collator, label_coverage, token_counts
+from pipeline.training.losses import loss_sum
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed after SIGTERM/SIGUSR1; run the same command again to continue
 CHECKPOINTS = "checkpoints"
@@ -79,8 +80,15 @@ def save_checkpoint(accelerator: Accelerator, out_dir: Path, position: dict) -> 
     if accelerator.is_main_process and path.exists():  # a save of this step cut short (kill -9): its files are stale
         shutil.rmtree(path)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(path))  # every rank takes part (DeepSpeed shards)
-    fsync_tree(path)  # every rank: its own files on disk before step.json declares the checkpoint whole
+    try:
+        accelerator.save_state(str(path))  # every rank takes part (DeepSpeed shards)
+        fsync_tree(path)  # every rank: its own files on disk before step.json declares the checkpoint whole
+    except (OSError, RuntimeError, SafetensorError) as exc:
+        if not out_of_room(exc):
+            raise
+        kept = sorted(done.parent.name for done in (out_dir / CHECKPOINTS).glob(f"step-*/{STEP_FILE}"))
+        raise DiskFullError(no_room_line(exc, f"checkpoint {path.name} was not written, and the run resumes from "
+                                              f"{kept[-1] if kept else 'its start'}")) from exc
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_atomic(path / STEP_FILE, json.dumps(position) + "\n")
@@ -176,33 +184,6 @@ NOTHING = {"labels": IGNORE, "teacher_ids": -1, "teacher_logprobs": float("-inf"
 def shift(target: torch.Tensor, nothing) -> torch.Tensor:
     """Targets of token t + 1 at position t; nothing at the last position."""
     return torch.cat([target[:, 1:], torch.full_like(target[:, :1], nothing)], dim=1)
-
-
-def loss_sum(logits: torch.Tensor, targets: dict[str, torch.Tensor], loss: Loss) -> torch.Tensor:
-    """The loss summed over labelled positions: cross-entropy, or a KD loss where the target's top-k is known.
-
-    KD compares the drafter's q with the target's top-k distribution p (renormalised over the k ids):
-    forward KL(p || q) = sum_k p_k (log p_k - log q_k), or total variation 0.5 sum_v |p_v - q_v| (p = 0 off
-    the top k, so that is 0.5 (sum_k |p_k - q_k| + 1 - sum_k q_k)). Positions without the target's top-k
-    (an appended stop or EOS, a re-tokenization mismatch) keep cross-entropy.
-    """
-    labels = targets["labels"]
-    if loss == Loss.ce or "teacher_ids" not in targets:
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
-    log_q = F.log_softmax(logits.float(), dim=-1)
-    per_token = -log_q.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    ids = targets["teacher_ids"]
-    known = ids >= 0
-    has_teacher = known.any(-1)
-    p = torch.softmax(targets["teacher_logprobs"].masked_fill(~has_teacher.unsqueeze(-1), 0.0), dim=-1) * known
-    log_q_k = log_q.gather(-1, ids.clamp(min=0))
-    if loss == Loss.kd_forward_kl:
-        kd = (p * (p.clamp(min=1e-30).log() - log_q_k)).sum(-1)
-    else:
-        q_k = log_q_k.exp() * known
-        kd = 0.5 * ((p - q_k).abs().sum(-1) + 1 - q_k.sum(-1))
-    per_token = torch.where(has_teacher, kd, per_token)
-    return per_token.masked_fill(labels == IGNORE, 0.0).sum()
 
 
 def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -310,7 +291,9 @@ def train(
         return bool(flag[0])
 
     model.train()
-    window = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # since the last log: loss sum, labels, inputs
+    # since the last log: loss sum, labels, inputs, then (loss sum, labels) of each of the objective's parts
+    parts = getattr(objective, "part_names", ())
+    window = torch.zeros(3 + 2 * len(parts), dtype=torch.float64, device=accelerator.device)
     local_inputs = torch.zeros((), dtype=torch.float64, device=accelerator.device)  # this process, this run
     started = time.time()
     window_start, window_tokens = time.time(), 0
@@ -324,7 +307,7 @@ def train(
                 batch = {k: v.to(accelerator.device, non_blocking=pinned) for k, v in next(data).items()}
                 with accelerator.accumulate(model):
                     sample_seed = ((seed * 1_000_003 + step) * tc.grad_accum + micro) * world + accelerator.process_index
-                    loss_total, label_tokens, inputs = objective(model, batch, sample_seed)
+                    loss_total, label_tokens, inputs, *by_part = objective(model, batch, sample_seed)
                     micro_tokens = accelerator.reduce(label_tokens, "sum").clamp(min=1)
                     # DDP averages gradients over processes: scale so the result is the global token mean.
                     accelerator.backward(loss_total * world / micro_tokens)
@@ -332,7 +315,8 @@ def train(
                         grad_norm = accelerator.clip_grad_norm_(model.parameters(), tc.grad_clip)
                     optimizer.step()  # a no-op until the last micro-batch (accelerate's accumulate)
                     optimizer.zero_grad(set_to_none=True)
-                window += torch.stack([loss_total.detach().double(), label_tokens.double(), inputs.double()])
+                window += torch.cat([torch.stack([loss_total.detach().double(), label_tokens.double(), inputs.double()]),
+                                     *(part.detach().double().flatten() for part in by_part)])
                 local_inputs += inputs
             scheduler.step()
             step += 1
@@ -343,7 +327,7 @@ def train(
             if checkpoint_now or step % tc.log_every == 0:
                 tokens_seen = tokens_before + int(accelerator.reduce(local_inputs, "sum").item())
             if step % tc.log_every == 0 or checkpoint_now:
-                loss_window, labelled, inputs = accelerator.reduce(window, "sum").tolist()
+                loss_window, labelled, inputs, *part_sums = accelerator.reduce(window, "sum").tolist()
                 window.zero_()
                 window_tokens += int(inputs)
                 now = time.time()
@@ -354,6 +338,7 @@ def train(
                     "tokens_seen": tokens_seen,
                     "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
                 }
+                metrics |= {f"loss_{name}": part_sums[2 * i] / max(part_sums[2 * i + 1], 1) for i, name in enumerate(parts)}
                 if grad_norm is not None:
                     metrics["grad_norm"] = float(grad_norm)
                 if evaluate is not None and checkpoint_now:
@@ -383,8 +368,19 @@ def train_drafter(
 ) -> dict:
     """Train, then write ``out_dir/drafter`` (contract 2); returns the counts for the manifest. ``then``, if
     given, is a further phase that continues from the trained drafter (finetune's on-policy alignment)."""
-    collate = Collator(tokenizer.pad_token_id, vocab, tc.max_length if tc.get("pack") else None)
-    result = train(tc, model, examples, collate, out_dir, log, seed)
+    pack_length = tc.max_length if tc.get("pack") else None
+    objective = None
+    if tc.parallel_draft.enabled:
+        counts = token_counts(examples, vocab.target_vocab_size if vocab is not None else model.config.vocab_size)
+        mask_id = parallel_draft.mask_token(tokenizer, model.config.vocab_size, counts, tc.parallel_draft) \
+            if vocab is None and getattr(model.config, PARD_TOKEN, None) is None else None
+        model = make_parallel(model, vocab, tc.parallel_draft.k, mask_id)
+        collate = parallel_draft.ParallelDraftCollator(tokenizer.pad_token_id, vocab, model.config.pard_token,
+                                                       tc.parallel_draft, pack_length)
+        objective = parallel_draft.parallel_draft_objective(Loss(tc.get("loss", Loss.ce)), tc.parallel_draft.k)
+    else:
+        collate = Collator(tokenizer.pad_token_id, vocab, pack_length)
+    result = train(tc, model, examples, collate, out_dir, log, seed, objective)
     if then is not None:
         result = then(result)
     state_dict = result.accelerator.get_state_dict(result.prepared)  # on every rank: DeepSpeed gathers the shards
