@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.config import ConfigError, Loss, TrainConfig, compose_config
+from pipeline.config import ConfigError, Loss, ParallelDraftConfig, TrainConfig, compose_config
 from pipeline.models.provision import load_model, load_tokenizer
 from pipeline.models.vocab import VocabMap
 from pipeline.training import losses, loop
@@ -317,20 +317,28 @@ def test_packed_training_matches_unpacked_training(tmp_path):
     assert runs[True] == pytest.approx(runs[False], rel=1e-4)
 
 
-def test_a_training_step_never_reads_the_device_on_the_host(tmp_path, monkeypatch):
+@pytest.mark.parametrize("drafting", ["autoregressive", "parallel"])
+def test_a_training_step_never_reads_the_device_on_the_host(tmp_path, monkeypatch, drafting):
     """Host reads of tensors (.item, .tolist, .nonzero, bool(...)) would each make a CUDA host wait for the GPU:
-    the loop makes them only on logged or checkpointed steps, so twice the steps make no more of them. (The
-    collator's are on host tensors, before the copy to the device.)"""
+    the loop makes them only on logged or checkpointed steps, so twice the steps make no more of them, with the
+    SFT objective and with parallel drafting's (its per-offset sums too). (The collators' are on host tensors,
+    before the copy to the device.)"""
     import sys
+
+    from pipeline.training.parallel_draft import ParallelDraftCollator, parallel_draft_objective
+
+    collators = ("pipeline/training/data.py", "torch/utils/data/_utils/collate.py")
 
     reads = []
     for name in ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__"):
         original = getattr(torch.Tensor, name)
 
         def counted(self, *args, __original=original, __name=name, **kwargs):
-            caller = sys._getframe(1).f_code.co_filename
-            if not caller.endswith(("pipeline/training/data.py", "torch/utils/data/_utils/collate.py")):
-                reads.append((__name, caller))
+            code = sys._getframe(1).f_code
+            collating = code.co_filename.endswith(collators) or (
+                code.co_filename.endswith("pipeline/training/parallel_draft.py") and code.co_name in ("__call__", "expand"))
+            if not collating:
+                reads.append((__name, code.co_filename))
             return __original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
@@ -345,9 +353,15 @@ def test_a_training_step_never_reads_the_device_on_the_host(tmp_path, monkeypatc
             if torch.cuda.is_available():  # on a GPU, torch itself reports every synchronising call
                 torch.cuda.set_sync_debug_mode("warn")
             try:
+                if drafting == "parallel":
+                    settings = OmegaConf.structured(ParallelDraftConfig(enabled=True, k=4))
+                    collate = ParallelDraftCollator(0, None, VOCAB - 1, settings, pack_length=64)
+                    objective = parallel_draft_objective(Loss.ce, 4)
+                else:
+                    collate, objective = Collator(0, None, pack_length=16), None
                 # one epoch (its permutation is drawn and read on the host once): 8 examples per step, 48 of 64
-                loop.train(tc, tiny_model(), prompted_examples([9, 5, 12, 7] * 16), Collator(0, None, pack_length=16),
-                           out_dir, MetricsLog(out_dir / "m.jsonl"), 0)
+                loop.train(tc, tiny_model(), prompted_examples([9, 5, 12, 7] * 16), collate,
+                           out_dir, MetricsLog(out_dir / "m.jsonl"), 0, objective)
             finally:
                 if torch.cuda.is_available():
                     torch.cuda.set_sync_debug_mode("default")

@@ -224,7 +224,8 @@ def train(
     evaluate: Callable[[torch.nn.Module], dict] | None = None,
 ) -> TrainResult:
     """Train ``model`` on ``examples``. ``objective(model, batch, sample_seed)`` returns (loss summed over the
-    supervised positions, their count, input tokens); default: ``tc.loss`` on the labels. ``sample_seed``
+    supervised positions, their count, input tokens), then, for an objective with ``part_names``, a (parts, 2)
+    tensor of each part's loss sum and count, logged as ``loss_<part>``; default: ``tc.loss`` on the labels. ``sample_seed``
     is fixed by (seed, step, micro-batch, rank), so an objective that samples resumes reproducibly.
     ``evaluate(model)``, if given, runs at every checkpoint step and its metrics join that step's log line."""
     accelerator = Accelerator(mixed_precision=tc.mixed_precision, gradient_accumulation_steps=tc.grad_accum)
@@ -371,9 +372,10 @@ def train_drafter(
     pack_length = tc.max_length if tc.get("pack") else None
     objective = None
     if tc.parallel_draft.enabled:
-        counts = token_counts(examples, vocab.target_vocab_size if vocab is not None else model.config.vocab_size)
-        mask_id = parallel_draft.mask_token(tokenizer, model.config.vocab_size, counts, tc.parallel_draft) \
-            if vocab is None and getattr(model.config, PARD_TOKEN, None) is None else None
+        mask_id = None  # a reduced vocabulary's mask, or one the drafter already has, needs no choosing
+        if vocab is None and getattr(model.config, PARD_TOKEN, None) is None:
+            counts = token_counts(examples, model.config.vocab_size)
+            mask_id = parallel_draft.mask_token(tokenizer, model.config.vocab_size, counts, tc.parallel_draft)
         model = make_parallel(model, vocab, tc.parallel_draft.k, mask_id)
         collate = parallel_draft.ParallelDraftCollator(tokenizer.pad_token_id, vocab, model.config.pard_token,
                                                        tc.parallel_draft, pack_length)

@@ -143,7 +143,8 @@ def parallel_draft_objective(loss: Loss, k: int) -> Callable:
         per_token = token_losses(logits, targets, loss)
         labelled = targets["labels"] != IGNORE
         offsets = batch["offsets"][:, keep]
-        parts = torch.stack([torch.stack([per_token[offsets == j].sum(), (labelled & (offsets == j)).sum().to(per_token.dtype)])
+        # masked sums, not per_token[offsets == j]: a boolean index would make the host wait for the device
+        parts = torch.stack([torch.stack([(per_token * (offsets == j)).sum(), (labelled & (offsets == j)).sum().to(per_token.dtype)])
                              for j in range(k)])
         return per_token.sum(), labelled.sum(), batch["attention_mask"].sum(), parts
 
