@@ -253,11 +253,12 @@ def test_router_langs_are_checked(ci_cfg, runs_dir, capsys):
 @pytest.mark.slow
 def test_greedy_mismatch_fails_the_stage_in_one_line_after_writing_its_outputs(ci_drafter, runs_dir, monkeypatch, capsys):
     """Fault injection: a speculative decode that emits one wrong token must fail the lossless gate."""
+    from pipeline.speculative.engine import ModelDrafter
     from pipeline.stages import eval as eval_stage
 
     def corrupted(target, ids, max_new_tokens, stop, sampling, drafter=None, **kwargs):
         out = generate(target, ids, max_new_tokens, stop, sampling, drafter=drafter, **kwargs)
-        if isinstance(drafter, eval_stage.ModelDrafter):
+        if isinstance(drafter, ModelDrafter):
             out.tokens[-1] = (out.tokens[-1] + 1) % target.model.config.vocab_size
         return out
 
