@@ -139,7 +139,7 @@ class ModelDrafter:
 
 
 class ParallelDrafter(ModelDrafter):
-    """Proposes up to K tokens in ONE drafter forward (PARD, Song et al. 2025): the tokens it has not cached,
+    """Proposes up to K tokens in ONE drafter forward (PARD, AMD 2025): the tokens it has not cached,
     then K − 1 copies of its mask token (``config.pard_token``); the logits at the last real token and at each
     mask are the K positions' distributions. Each is conditioned on the context alone, not on the drafts
     before it: a proposal like any other, so the sampler stays exact. The masks leave the cache at once, and
