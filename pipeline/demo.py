@@ -15,6 +15,7 @@ from pathlib import Path
 from pipeline import report
 from pipeline.config import ConfigError, compose_config
 from pipeline.rundir import stage_dir
+from pipeline.speculative.costs import cost_line
 
 RECIPE = "local"
 
@@ -51,8 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                          for t, m in summary[pair]["temperatures"].items())
         print(f"{pair} speculative (ours) — {line}")
         m = summary[pair]["machine"]
-        print(f"{pair} on {m['cpu']}: target in {m['target_dtype']}, c = {m['c']:.3f}, "
-              + ", ".join(f"v({k}) = {v:.2f}" for k, v in m["v"].items()) + ", K chosen: "
+        print(f"{pair} on {m['cpu']}: target in {m['target_dtype']}, {cost_line(m)}, K chosen: "
               + "; ".join(f"{t} " + ", ".join(f"{method} {k}" for method, k in ks.items()) for t, ks in m["k"].items()))
     if args.started:
         print(f"demo wall time: {summary['wall_time_s'] / 60:.1f} min")
@@ -64,7 +64,7 @@ def machine_of(metrics: dict) -> dict:
     """Where and how the eval measured: CPU model and flags, the target's dtype, c, v(K) and the chosen K."""
     env = metrics["environment"]
     return {"cpu": env["cpu"], "cpu_flags": env.get("cpu_flags", []), "target_dtype": metrics["target_dtype"],
-            "c": metrics["costs"]["c"], "v": metrics["costs"]["v"],
+            "c": metrics["costs"]["c"], "v": metrics["costs"]["v"], "draft": metrics["costs"].get("draft"),
             "k": {t: {method: choice["recommended_k"] for method, choice in by_method.items()}
                   for t, by_method in (metrics.get("k_choice") or {}).items()}}
 

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from pipeline.evaluation import greedy_gate_line
+from pipeline.speculative.costs import cost_line
 
 METHOD_NAMES = {"target": "target only", "speculative": "speculative (ours)", "pld": "prompt lookup (PLD)",
                 "hybrid": "lookup, else drafter (ours)", "hf": "HF generate", "hf_assisted": "HF assisted", "router": "language router"}
@@ -89,8 +90,8 @@ def stage_report(metrics: dict) -> str:
         "",
         table(acceptance, header),
         "",
-        f"Costs measured on this machine: c = {costs['c']:.3f} (drafter step / target step), "
-        + ", ".join(f"v(K={k}) = {v:.2f}" for k, v in costs["v"].items()) + ".",
+        f"Costs measured on this machine, in target steps: {cost_line(costs)} (c: a drafter step; draft(K): a "
+        "round's drafting; v(K): its verify).",
     ]
     lines += [f"\n**{t_key}, {choice['no_k_pays']}.** Its row above ran at K={choice['k']}, the best the formula "
               "found; the target alone (K = 0) is faster here."

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from pipeline.config import compose_config
 from pipeline.evaluation import GreedyGate, stop_condition, tie_tolerance
 from pipeline.models.drafter import init_drafter
 from pipeline.models.provision import load_model, load_tokenizer
-from pipeline.speculative.costs import choose_k, dtype_candidates, no_k_pays, pick_dtype
+from pipeline.speculative.costs import choose_k, cost_line, dtype_candidates, no_k_pays, pick_dtype
 from pipeline.speculative.engine import CachedModel, ModelDrafter, PromptLookupDrafter, generate, top2_gap
 
 PROMPTS = ["Translate German to English: Das Treffen wurde verschoben, weil der Zug Verspätung hatte.\nEnglish:",
@@ -69,3 +71,13 @@ def test_every_dtype_candidate_keeps_greedy_output_exact_or_tie_gated(dtype, smo
     assert gate.mismatches == [] and gate.outputs_checked == 4
     if dtype == "float32":
         assert gate.exact == 4 and gate.tolerance == 0
+
+
+def test_cost_line_names_each_rounds_drafting_cost_as_measured_or_as_json_keys():
+    """A parallel drafter's draft(K) is one forward, not K·c: the line prints what was measured, from step_costs'
+    int keys or metrics.json's string keys alike, and an eval from before draft(K) was measured prints c and v."""
+    measured = {"c": 0.044, "v": {2: 1.06, 4: 0.92}, "draft": {2: 0.05, 4: 0.052}}
+    line = "c = 0.044, draft(2) = 0.050, v(2) = 1.06, draft(4) = 0.052, v(4) = 0.92"
+    assert cost_line(measured) == line
+    assert cost_line(json.loads(json.dumps(measured))) == line
+    assert cost_line({"c": 0.044, "v": {"4": 0.92}}) == "c = 0.044, v(4) = 0.92"

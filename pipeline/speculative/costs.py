@@ -101,3 +101,11 @@ def no_k_pays(method: str, k: int, c: float, v: float, tau: float, machine: str,
     return (f"{method}: no K pays on this {machine}: a round of {k} drafts costs {cost:.2f} target steps "
             f"({drafting} + v({k}) {v:.2f}); the drafter would need τ ≥ {cost:.2f} to break even; "
             f"τ at K={k} in the warm-up: {tau:.2f}")
+
+
+def cost_line(costs: dict) -> str:
+    """The measured costs in target steps: c, then per K the round's drafting draft(K) (K·c for an autoregressive
+    drafter, one forward for a parallel one) and verifying v(K). Keys may be JSON strings (metrics.json)."""
+    draft = costs.get("draft") or {}
+    return f"c = {costs['c']:.3f}, " + ", ".join(
+        (f"draft({k}) = {draft[k]:.3f}, " if k in draft else "") + f"v({k}) = {v:.2f}" for k, v in costs["v"].items())

@@ -89,7 +89,8 @@ from pipeline.speculative.engine import (
     step_costs,
     top2_gap,
 )
-from pipeline.speculative.costs import canonical_dtype, choose_k, dtype_candidates, no_k_pays, pick_dtype, time_steps
+from pipeline.speculative.costs import (canonical_dtype, choose_k, cost_line, dtype_candidates, no_k_pays, pick_dtype,
+                                       time_steps)
 from pipeline.speculative.metrics import measure, method_stats, speedup, timed
 from pipeline.speculative.router import LanguageRouter
 from pipeline.speculative.sampler import Sampling
@@ -228,8 +229,7 @@ def evaluate(cfg: DictConfig, directory, tracker, device: torch.device, processe
                                          "host": socket.gethostname(), "device": str(device), "processes": processes})
             write_atomic(path / PROGRESS, json.dumps(progress, indent=2) + "\n")
             costs = step_costs_of(progress)
-            print(f"eval: c = {costs['c']:.3f}, " + ", ".join(f"v({k}) = {v:.2f}" for k, v in costs["v"].items())
-                  + f"; target and drafter in {target_dtype}; {processes} process(es)", flush=True)
+            print(f"eval: {cost_line(costs)}; target and drafter in {target_dtype}; {processes} process(es)", flush=True)
             for t_key, by_method in decoders.k_choice.items():
                 print(f"eval: K at {t_key}: " + ", ".join(f"{m} {c['k']} (τ {c['tau'][c['k']]:.2f})"
                                                           for m, c in by_method.items()), flush=True)

@@ -1,0 +1,115 @@
+"""Parallel drafting (PARD) vs the autoregressive drafter, paired, at equal training time (de-en, ``local`` recipe).
+
+Both arms finetune the same pretrained drafter on the same distilled data, through the pipeline's stages:
+
+- ``autoregressive``: the recipe's own finetune and eval stages (what ``make demo`` runs; reused when complete);
+- ``parallel``: ``train.finetune.parallel_draft`` with k = the largest K the eval measures, its optimizer
+  steps set so its training takes the autoregressive finetune's time: a probe finetune of ``PROBE_STEPS``
+  steps measures its seconds per step first (PARD rows are the example plus its mask segments, so a step
+  costs more);
+- ``parallel_larger`` (with ``PARALLEL_LARGER_LAYERS``, e.g. 6): the same for a deeper drafter, pretrained
+  here, whose one forward may cost what K autoregressive forwards do.
+
+Each parallel arm then runs the eval stage (methods target, speculative, hybrid; the recipe's prompts, seeds,
+K sweep and K choice). Written to ``runs/bench/parallel.json``: per arm and temperature the measured speedup,
+τ, α, acceptance per draft position, the drafting cost per round draft(K) and the step costs, the training
+time and steps; paired per held-out decode (same prompt, temperature and seed) against the autoregressive
+arm, the mean difference of τ and of the speedup with its standard error. Training times are wall-clock
+seconds on one quiet machine (the CPU model is recorded).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from pipeline.bench import BenchSettings
+from pipeline.config import with_overrides
+from pipeline.device import cpu_model
+from pipeline.jsonl import read_jsonl
+from pipeline.report import summary_of
+from pipeline.runner import run_stage
+from pipeline.speculative.metrics import mean_and_standard_error, speedup
+
+PAIR = "de-en"
+PROBE_STEPS = 30
+EVAL = ["eval.methods=[target,speculative,hybrid]"]
+
+
+def manifest_counts(directory) -> dict:
+    return json.loads((directory.path / "manifest.json").read_text())["counts"]
+
+
+def parallel_arm(cfg, name: str, k: int, seconds: float, extra: list[str]):
+    """The parallel arm's finetune (its steps fitted to ``seconds`` of training by a probe) and eval stages."""
+    arm = [f"run={cfg.run}-{name}", "train.finetune.parallel_draft.enabled=true",
+           f"train.finetune.parallel_draft.k={k}", *extra]
+    for stage in ("pretrain",) if extra else ():  # a different drafter: its own pretraining
+        run_stage(stage, with_overrides(cfg, arm))
+    probe = manifest_counts(run_stage("finetune", with_overrides(
+        cfg, [*arm, f"run={cfg.run}-{name}-probe", f"train.finetune.max_steps={PROBE_STEPS}"])))
+    steps = max(PROBE_STEPS, round(seconds / (probe["train_time_s"] / probe["steps"])))
+    arm += [f"train.finetune.max_steps={steps}", *EVAL]  # printed: `make export ARGS=...` serves this drafter
+    finetuned = with_overrides(cfg, arm)
+    return run_stage("finetune", finetuned), run_stage("eval", finetuned), arm
+
+
+def arm_summary(finetune, evaluation, overrides: list[str]) -> dict:
+    metrics = json.loads((evaluation.path / "metrics.json").read_text())
+    counts = manifest_counts(finetune)
+    by_t = {}
+    for t_key, result in metrics["results"][PAIR].items():
+        first_seed = next(iter(result["seeds"].values()))
+        k = metrics["k_choice"].get(t_key, {}).get("speculative", {}).get("k", metrics["K"])
+        by_t[t_key] = {"K": k, "acceptance_per_position": first_seed["speculative"].get("acceptance_per_position"),
+                       **{method: {key: stats[key] for key in ("speedup", "tau", "alpha") if key in stats}
+                          for method, stats in result["summary"].items()}}
+    return {"overrides": overrides, "finetune": str(finetune.path), "eval": str(evaluation.path),
+            "train_time_s": counts["train_time_s"], "steps": counts["steps"], "parameters": counts["parameters"],
+            "costs": metrics["costs"], "k_sweep": metrics["k_sweep"], "lossless": metrics["lossless"], "by_temperature": by_t,
+            "summary": summary_of(metrics)}
+
+
+def decodes(evaluation) -> dict:
+    """(temperature, seed, prompt) -> (τ, speedup) of the speculative method in that decode."""
+    out = {}
+    for row in read_jsonl(evaluation.path / "samples.jsonl"):
+        target, spec = row["methods"]["target"], row["methods"]["speculative"]
+        out[row["temperature"], row["seed"], row["id"]] = (
+            spec["tokens"] / max(spec["target_calls"], 1),
+            speedup({"seconds": spec["seconds"], "tokens": spec["tokens"]},
+                    {"seconds": target["seconds"], "tokens": target["tokens"]}))
+    return out
+
+
+def paired(arm, reference) -> dict:
+    """Per temperature, the arm's mean τ and speedup gain over the reference per decode, with standard errors."""
+    ours, theirs = decodes(arm), decodes(reference)
+    out = {}
+    for t in sorted({key[0] for key in ours}):
+        keys = [key for key in ours if key[0] == t and key in theirs]
+        gains = torch.tensor([[a - b for a, b in zip(ours[key], theirs[key])] for key in keys], dtype=torch.float64)
+        out[f"T={t}"] = {"decodes": len(keys), "tau_gain": mean_and_standard_error(gains[:, 0]),
+                         "speedup_gain": mean_and_standard_error(gains[:, 1])}
+    return out
+
+
+def main(out_dir, settings: BenchSettings) -> dict:
+    cfg = settings.config(f"lang={PAIR}")
+    k = max([cfg.eval.num_draft_tokens, *cfg.eval.k_sweep])
+    for stage in ("distill", "pretrain"):
+        run_stage(stage, cfg)
+    reference = run_stage("finetune", cfg), run_stage("eval", cfg), []
+    seconds = manifest_counts(reference[0])["train_time_s"]
+    arms = {"autoregressive": reference, "parallel": parallel_arm(cfg, "parallel", k, seconds, [])}
+    if layers := os.environ.get("PARALLEL_LARGER_LAYERS"):
+        arms["parallel_larger"] = parallel_arm(cfg, f"parallel-{layers}layers", k, seconds,
+                                               [f"drafter.num_layers={layers}"])
+    result = {"pair": PAIR, "recipe": settings.recipe, "cpu": cpu_model(), "parallel_k": k,
+              "probe_steps": PROBE_STEPS, "arms": {name: arm_summary(*dirs) for name, dirs in arms.items()},
+              "paired_vs_autoregressive": {name: paired(dirs[1], reference[1]) for name, dirs in arms.items()
+                                           if name != "autoregressive"}}
+    (out_dir / "parallel.json").write_text(json.dumps(result, indent=2) + "\n")
+    return {name: arm["summary"] for name, arm in result["arms"].items()}
