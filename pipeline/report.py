@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.report", description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=Path, default=Path("runs"))
     args = parser.parse_args(argv)
-    found = sorted(p for p in args.runs.glob("**/eval/metrics.json") if (p.parent / "COMPLETE").exists())
+    found = sorted(p for folder in ("eval", "eval-vllm") for p in args.runs.glob(f"**/{folder}/metrics.json")
+                   if (p.parent / "COMPLETE").exists())
     if not found:
         print(f"error: no complete eval stage under {args.runs}; run `make eval` first")
         return 2

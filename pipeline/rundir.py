@@ -216,6 +216,8 @@ def stage_path(cfg: DictConfig, stage: str, digest: str) -> Path:
         return shard_set_path(cfg) / f"shard-{cfg.distill.shard}"
     if stage == "pretrain":
         return root / cfg.drafter.name / "pretrain" / digest
+    if stage == "eval" and cfg.eval.engine == "vllm":  # beside the transformers engine's eval of the same drafter
+        return root / cfg.drafter.name / cfg.run / cfg.lang.pair / "eval-vllm"
     return root / cfg.drafter.name / cfg.run / cfg.lang.pair / stage
 
 

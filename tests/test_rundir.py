@@ -170,6 +170,16 @@ def test_finetune_hash_covers_the_data_fraction_only_below_one(runs_dir):
     assert hashes[0] == hashes[1] != hashes[2]
 
 
+def test_vllm_eval_of_a_drafter_sits_beside_its_transformers_eval(runs_dir):
+    """`make eval ARGS='eval.engine=vllm'` (the export README's command) after `make eval`: its own folder, so
+    neither measurement is refused nor moved aside by the other."""
+    cfg = compose_config(["recipe=ci", f"paths.runs_dir={runs_dir}"])
+    vllm_cfg = compose_config(["recipe=ci", f"paths.runs_dir={runs_dir}", "eval.engine=vllm"])
+    ours, served = stage_dir(cfg, "eval", check_inputs=False), stage_dir(vllm_cfg, "eval", check_inputs=False)
+    assert ours.path.name == "eval" and served.path == ours.path.with_name("eval-vllm")
+    assert ours.begin(cfg) and served.begin(vllm_cfg)
+
+
 def test_make_command_puts_the_run_and_more_overrides_in_one_args():
     cfg = compose_config(["recipe=ci", "lang=fr-en", "run=lr-low"])
     assert make_command(cfg, "eval", ("eval.engine=vllm",)) == "make eval LANG=fr-en RECIPE=ci ARGS='run=lr-low eval.engine=vllm'"

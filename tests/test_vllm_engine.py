@@ -14,7 +14,7 @@ import torch
 from transformers import AutoTokenizer
 
 from pipeline import cli
-from pipeline.config import REPO_ROOT, compose_config
+from pipeline.config import REPO_ROOT, compose_config, with_overrides
 from pipeline.models.drafter import init_drafter, save_drafter
 from pipeline.models.export import VLLM_DIR, export_drafter
 from pipeline.models.vocab import VocabMap
@@ -240,7 +240,7 @@ def reduced_drafted(smollm_path, tmp_path_factory):
     export.finish(cfg, {})
     code = cli.main(["eval", *base, "eval.engine=vllm", "eval.temperatures=[0]", f"eval.num_prompts={PROMPTS}",
                      f"eval.max_new_tokens={TOKENS}", "eval.warmup=1"])
-    return code, stage_dir(cfg, "eval").path, export.path / FOLDER, vocab
+    return code, stage_dir(with_overrides(cfg, ["eval.engine=vllm"]), "eval").path, export.path / FOLDER, vocab
 
 
 @pytest.mark.slow
@@ -287,7 +287,7 @@ def test_sliding_window_target_keeps_its_outputs_with_one_kv_cache_group(gemma_p
     code = cli.main(["eval", *base, f"eval.drafter_path={tmp_path / 'export'}", "eval.engine=vllm",
                      "eval.temperatures=[0]", f"eval.max_new_tokens={TOKENS}", f"eval.num_draft_tokens={K}",
                      "eval.warmup=0", "distill.server.dtype=float32"])
-    out = next((tmp_path / "runs").glob("**/eval"))
+    out = next((tmp_path / "runs").glob("**/eval-vllm"))
     metrics = json.loads((out / "metrics.json").read_text())
     assert SINGLE_KV_GROUP in metrics["speculative_server_args"] and metrics["speculative_config"]["use_heterogeneous_vocab"]
     assert code == 0 and metrics["lossless"]["exact"] == PROMPTS, metrics["lossless"]
