@@ -42,8 +42,10 @@ def manifest_counts(directory) -> dict:
     return json.loads((directory.path / "manifest.json").read_text())["counts"]
 
 
-def parallel_arm(cfg, name: str, k: int, seconds: float, extra: list[str]):
-    """The parallel arm's finetune (its steps fitted to ``seconds`` of training by a probe) and eval stages."""
+def parallel_arm(cfg, name: str, k: int, seconds: float, target_dtype: str, extra: list[str]):
+    """The parallel arm's finetune (its steps fitted to ``seconds`` of training by a probe) and eval stages; the
+    eval's target in the reference eval's ``target_dtype`` (chosen there by a noisy timing: a pair must not differ
+    in it), so it measures the finetuned folder as ``eval.drafter_path``, the one eval whose target is its own."""
     arm = [f"run={cfg.run}-{name}", "train.finetune.parallel_draft.enabled=true",
            f"train.finetune.parallel_draft.k={k}", *extra]
     for stage in ("pretrain",) if extra else ():  # a different drafter: its own pretraining
@@ -51,9 +53,11 @@ def parallel_arm(cfg, name: str, k: int, seconds: float, extra: list[str]):
     probe = manifest_counts(run_stage("finetune", with_overrides(
         cfg, [*arm, f"run={cfg.run}-{name}-probe", f"train.finetune.max_steps={PROBE_STEPS}"])))
     steps = max(PROBE_STEPS, round(seconds / (probe["train_time_s"] / probe["steps"])))
-    arm += [f"train.finetune.max_steps={steps}", *EVAL]  # printed: `make export ARGS=...` serves this drafter
-    finetuned = with_overrides(cfg, arm)
-    return run_stage("finetune", finetuned), run_stage("eval", finetuned), arm
+    arm.append(f"train.finetune.max_steps={steps}")  # printed: `make export ARGS=...` serves this drafter
+    finetune = run_stage("finetune", with_overrides(cfg, arm))
+    measured = [f"eval.drafter_path={finetune.path / 'drafter'}", f"target.dtype={target_dtype}",
+                "eval.dtype_candidates=[]", *EVAL]
+    return finetune, run_stage("eval", with_overrides(cfg, [*arm, *measured])), arm
 
 
 def arm_summary(finetune, evaluation, overrides: list[str]) -> dict:
@@ -103,9 +107,10 @@ def main(out_dir, settings: BenchSettings) -> dict:
         run_stage(stage, cfg)
     reference = run_stage("finetune", cfg), run_stage("eval", cfg), []
     seconds = manifest_counts(reference[0])["train_time_s"]
-    arms = {"autoregressive": reference, "parallel": parallel_arm(cfg, "parallel", k, seconds, [])}
+    target_dtype = json.loads((reference[1].path / "metrics.json").read_text())["target_dtype"]
+    arms = {"autoregressive": reference, "parallel": parallel_arm(cfg, "parallel", k, seconds, target_dtype, [])}
     if layers := os.environ.get("PARALLEL_LARGER_LAYERS"):
-        arms["parallel_larger"] = parallel_arm(cfg, f"parallel-{layers}layers", k, seconds,
+        arms["parallel_larger"] = parallel_arm(cfg, f"parallel-{layers}layers", k, seconds, target_dtype,
                                                [f"drafter.num_layers={layers}"])
     result = {"pair": PAIR, "recipe": settings.recipe, "cpu": cpu_model(), "parallel_k": k,
               "probe_steps": PROBE_STEPS, "arms": {name: arm_summary(*dirs) for name, dirs in arms.items()},
