@@ -149,7 +149,7 @@ def test_greedy_divergence_fails_with_a_clear_margin_and_is_a_tie_without(smollm
     monkeypatch.setattr(vllm_engine, "decode_all", decode_all)
     clear_margin = top2_gap > 0.5  # the default eval.tie_tolerance
     assert cli.main(args(runs_dir, smollm_path, "eval.temperatures=[0]", "eval.num_prompts=2")) == (2 if clear_margin else 0)
-    out = next(runs_dir.glob("**/eval"))
+    out = next(runs_dir.glob("**/eval-vllm"))
     metrics = json.loads((out / "metrics.json").read_text())
     assert len(asked) == 1 and asked[0][-2:] == [1, 2]  # the gap after the prompt and the tokens before the divergence
     divergence = [{"lang": "de-en", "id": metrics["lossless"]["mismatches" if clear_margin else "ties"][0]["id"],
@@ -179,7 +179,7 @@ def self_drafted(smollm_path, tmp_path_factory):
     code = cli.main(args(runs_dir, smollm_path, "eval.temperatures=[0]", f"eval.num_prompts={PROMPTS}",
                          f"eval.max_new_tokens={TOKENS}", f"eval.num_draft_tokens={K}", "eval.warmup=1",
                          "distill.server.dtype=float32"))
-    return code, next(runs_dir.glob("**/eval"))
+    return code, next(runs_dir.glob("**/eval-vllm"))
 
 
 @pytest.mark.slow
