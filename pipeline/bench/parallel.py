@@ -4,9 +4,9 @@ Both arms finetune the same pretrained drafter on the same distilled data, throu
 
 - ``autoregressive``: the recipe's own finetune and eval stages (what ``make demo`` runs; reused when complete);
 - ``parallel``: ``train.finetune.parallel_draft`` with k = the largest K the eval measures, its optimizer
-  steps set so its training takes the autoregressive finetune's time: two probe finetunes, of ``PROBE_STEPS``
-  steps each way, measure its seconds per step first, their difference leaving out the start-up both pay (PARD
-  rows are the example plus its mask segments, so a step costs more);
+  steps set so its training takes the autoregressive finetune's time: a probe finetune of ``PROBE_STEPS``
+  steps measures its seconds per step first (PARD rows are the example plus its mask segments, so a step
+  costs more);
 - ``parallel_larger`` (with ``PARALLEL_LARGER_LAYERS``, e.g. 6): the same for a deeper drafter, pretrained
   here, whose one forward may cost what K autoregressive forwards do.
 
@@ -34,7 +34,7 @@ from pipeline.runner import run_stage
 from pipeline.speculative.metrics import mean_and_standard_error, speedup
 
 PAIR = "de-en"
-PROBE_STEPS = (15, 45)
+PROBE_STEPS = 30
 EVAL = ["eval.methods=[target,speculative,hybrid]"]
 
 
@@ -43,17 +43,16 @@ def manifest_counts(directory) -> dict:
 
 
 def parallel_arm(cfg, name: str, k: int, seconds: float, target_dtype: str, extra: list[str]):
-    """The parallel arm's finetune (its steps fitted to ``seconds`` of training by two probes) and eval stages; the
+    """The parallel arm's finetune (its steps fitted to ``seconds`` of training by a probe) and eval stages; the
     eval's target in the reference eval's ``target_dtype`` (chosen there by a noisy timing: a pair must not differ
     in it), so it measures the finetuned folder as ``eval.drafter_path``, the one eval whose target is its own."""
     arm = [f"run={cfg.run}-{name}", "train.finetune.parallel_draft.enabled=true",
            f"train.finetune.parallel_draft.k={k}", *extra]
     for stage in ("pretrain",) if extra else ():  # a different drafter: its own pretraining
         run_stage(stage, with_overrides(cfg, arm))
-    short, long = (manifest_counts(run_stage("finetune", with_overrides(
-        cfg, [*arm, f"run={cfg.run}-{name}-probe-{n}", f"train.finetune.max_steps={n}"]))) for n in PROBE_STEPS)
-    step_s = (long["train_time_s"] - short["train_time_s"]) / (long["steps"] - short["steps"])
-    steps = max(PROBE_STEPS[0], round((seconds - short["train_time_s"]) / step_s) + short["steps"])
+    probe = manifest_counts(run_stage("finetune", with_overrides(
+        cfg, [*arm, f"run={cfg.run}-{name}-probe", f"train.finetune.max_steps={PROBE_STEPS}"])))
+    steps = max(PROBE_STEPS, round(seconds / (probe["train_time_s"] / probe["steps"])))
     arm.append(f"train.finetune.max_steps={steps}")  # printed: `make export ARGS=...` serves this drafter
     finetune = run_stage("finetune", with_overrides(cfg, arm))
     measured = [f"eval.drafter_path={finetune.path / 'drafter'}", f"target.dtype={target_dtype}",
