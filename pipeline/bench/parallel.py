@@ -48,8 +48,8 @@ def parallel_arm(cfg, name: str, k: int, seconds: float, target_dtype: str, extr
     in it), so it measures the finetuned folder as ``eval.drafter_path``, the one eval whose target is its own."""
     arm = [f"run={cfg.run}-{name}", "train.finetune.parallel_draft.enabled=true",
            f"train.finetune.parallel_draft.k={k}", *extra]
-    for stage in ("pretrain",) if extra else ():  # a different drafter: its own pretraining
-        run_stage(stage, with_overrides(cfg, arm))
+    if extra:  # a different drafter: its own pretraining
+        run_stage("pretrain", with_overrides(cfg, arm))
     probe = manifest_counts(run_stage("finetune", with_overrides(
         cfg, [*arm, f"run={cfg.run}-{name}-probe", f"train.finetune.max_steps={PROBE_STEPS}"])))
     steps = max(PROBE_STEPS, round(seconds / (probe["train_time_s"] / probe["steps"])))
@@ -72,8 +72,8 @@ def arm_summary(finetune, evaluation, overrides: list[str]) -> dict:
                           for method, stats in result["summary"].items()}}
     return {"overrides": overrides, "finetune": str(finetune.path), "eval": str(evaluation.path),
             "train_time_s": counts["train_time_s"], "steps": counts["steps"], "parameters": counts["parameters"],
-            "costs": metrics["costs"], "k_sweep": metrics["k_sweep"], "lossless": metrics["lossless"], "by_temperature": by_t,
-            "summary": summary_of(metrics)}
+            "costs": metrics["costs"], "k_sweep": metrics["k_sweep"], "lossless": metrics["lossless"],
+            "by_temperature": by_t, "summary": summary_of(metrics)}
 
 
 def decodes(evaluation) -> dict:
@@ -82,9 +82,7 @@ def decodes(evaluation) -> dict:
     for row in read_jsonl(evaluation.path / "samples.jsonl"):
         target, spec = row["methods"]["target"], row["methods"]["speculative"]
         out[row["temperature"], row["seed"], row["id"]] = (
-            spec["tokens"] / max(spec["target_calls"], 1),
-            speedup({"seconds": spec["seconds"], "tokens": spec["tokens"]},
-                    {"seconds": target["seconds"], "tokens": target["tokens"]}))
+            spec["tokens"] / max(spec["target_calls"], 1), speedup(spec, target))
     return out
 
 
