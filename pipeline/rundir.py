@@ -208,6 +208,9 @@ class StageDir:
         write_atomic(self.manifest_path, json.dumps(manifest, indent=2) + "\n")
 
 
+VLLM_EVAL = "eval-vllm"  # eval.engine=vllm's folder, beside the transformers engine's eval/ of the same drafter
+
+
 def stage_path(cfg: DictConfig, stage: str, digest: str) -> Path:
     root = Path(cfg.paths.runs_dir) / cfg.target.name
     if stage == "distill":
@@ -216,8 +219,8 @@ def stage_path(cfg: DictConfig, stage: str, digest: str) -> Path:
         return shard_set_path(cfg) / f"shard-{cfg.distill.shard}"
     if stage == "pretrain":
         return root / cfg.drafter.name / "pretrain" / digest
-    if stage == "eval" and cfg.eval.engine == "vllm":  # beside the transformers engine's eval of the same drafter
-        return root / cfg.drafter.name / cfg.run / cfg.lang.pair / "eval-vllm"
+    if stage == "eval" and cfg.eval.engine == "vllm":
+        return root / cfg.drafter.name / cfg.run / cfg.lang.pair / VLLM_EVAL
     return root / cfg.drafter.name / cfg.run / cfg.lang.pair / stage
 
 
