@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from pipeline.config import ConfigError, ParallelDraftConfig
+from pipeline.config import ConfigError, ParallelDraftConfig, compose_config
 from pipeline.models.drafter import make_parallel
 from pipeline.models.vocab import PARD_K, PARD_TOKEN, VocabMap
 from pipeline.speculative.engine import (CachedModel, LookupThenModelDrafter, ParallelDrafter, PromptLookupDrafter,
@@ -179,3 +179,25 @@ def test_the_mask_token_is_an_id_the_data_never_uses():
     counts[60:] = 1
     with pytest.raises(ConfigError, match="set parallel_draft.mask_token=ID"):
         mask_token(Tokenizer(), 64, counts, settings())
+
+
+def test_the_benchs_parallel_finetune_is_refitted_until_it_trains_as_long_as_the_autoregressive_one(monkeypatch):
+    from types import SimpleNamespace
+
+    from pipeline.bench import parallel
+
+    seconds_per_step = iter([2.16, 1.87, 1.87])  # the probe ran on a busier machine than the first full run
+    runs = []
+
+    def finetune(stage, cfg):
+        runs.append((cfg.run, cfg.train.finetune.max_steps))
+        return SimpleNamespace(counts={"steps": cfg.train.finetune.max_steps,
+                                       "train_time_s": cfg.train.finetune.max_steps * next(seconds_per_step)})
+
+    monkeypatch.setattr(parallel, "run_stage", finetune)
+    monkeypatch.setattr(parallel, "manifest_counts", lambda directory: directory.counts)
+    cfg = compose_config(["recipe=local"])
+    finetune_dir, overrides = parallel.equal_time_finetune(cfg, ["run=local-parallel"], "parallel", 310.9)
+    assert runs == [("local-parallel-30steps", 30), ("local-parallel-144steps", 144), ("local-parallel-166steps", 166)]
+    assert overrides[-2:] == ["run=local-parallel-166steps", "train.finetune.max_steps=166"]
+    assert abs(finetune_dir.counts["train_time_s"] / 310.9 - 1) <= parallel.TIME_TOLERANCE

@@ -4,9 +4,11 @@ Both arms finetune the same pretrained drafter on the same distilled data, throu
 
 - ``autoregressive``: the recipe's own finetune and eval stages (what ``make demo`` runs; reused when complete);
 - ``parallel``: ``train.finetune.parallel_draft`` with k = the largest K the eval measures, its optimizer
-  steps set so its training takes the autoregressive finetune's time: a probe finetune of ``PROBE_STEPS``
-  steps measures its seconds per step first (PARD rows are the example plus its mask segments, so a step
-  costs more);
+  steps set so its training takes the autoregressive finetune's time (PARD rows are the example plus its mask
+  segments, so a step costs more): a probe finetune of ``PROBE_STEPS`` steps measures its seconds per step,
+  and while a finetune's time misses by more than ``TIME_TOLERANCE`` the steps are refitted from that
+  finetune's own time (seconds per step on a 2-core machine vary by ~15% between runs); each finetune is run
+  ``<run>-parallel-<steps>steps``, the last one is the arm;
 - ``parallel_larger`` (with ``PARALLEL_LARGER_LAYERS``, e.g. 6): the same for a deeper drafter, pretrained
   here, whose one forward may cost what K autoregressive forwards do.
 
@@ -35,6 +37,8 @@ from pipeline.speculative.metrics import mean_and_standard_error, speedup
 
 PAIR = "de-en"
 PROBE_STEPS = 30
+TIME_TOLERANCE = 0.05
+MAX_REFITS = 2
 EVAL = ["eval.methods=[target,speculative,hybrid]"]
 
 
@@ -42,19 +46,28 @@ def manifest_counts(directory) -> dict:
     return json.loads((directory.path / "manifest.json").read_text())["counts"]
 
 
+def equal_time_finetune(cfg, arm: list[str], name: str, seconds: float):
+    """The arm's finetune whose training takes ``seconds`` (within ``TIME_TOLERANCE``): a probe, then refits from
+    each finetune's own seconds per step. Returns the finetune and the overrides that name it."""
+    steps = PROBE_STEPS
+    for refit in range(MAX_REFITS + 1):
+        overrides = [*arm, f"run={cfg.run}-{name}-{steps}steps", f"train.finetune.max_steps={steps}"]
+        counts = manifest_counts(finetune := run_stage("finetune", with_overrides(cfg, overrides)))
+        if refit > 0 and abs(counts["train_time_s"] / seconds - 1) <= TIME_TOLERANCE:
+            break
+        steps = max(PROBE_STEPS, round(seconds / (counts["train_time_s"] / counts["steps"])))
+    return finetune, overrides
+
+
 def parallel_arm(cfg, name: str, k: int, seconds: float, target_dtype: str, extra: list[str]):
-    """The parallel arm's finetune (its steps fitted to ``seconds`` of training by a probe) and eval stages; the
-    eval's target in the reference eval's ``target_dtype`` (chosen there by a noisy timing: a pair must not differ
-    in it), so it measures the finetuned folder as ``eval.drafter_path``, the one eval whose target is its own."""
+    """The parallel arm's finetune (trained for ``seconds``) and eval stages; the eval's target in the reference
+    eval's ``target_dtype`` (chosen there by a noisy timing: a pair must not differ in it), so it measures the
+    finetuned folder as ``eval.drafter_path``, the one eval whose target is its own."""
     arm = [f"run={cfg.run}-{name}", "train.finetune.parallel_draft.enabled=true",
            f"train.finetune.parallel_draft.k={k}", *extra]
     if extra:  # a different drafter: its own pretraining
         run_stage("pretrain", with_overrides(cfg, arm))
-    probe = manifest_counts(run_stage("finetune", with_overrides(
-        cfg, [*arm, f"run={cfg.run}-{name}-probe", f"train.finetune.max_steps={PROBE_STEPS}"])))
-    steps = max(PROBE_STEPS, round(seconds / (probe["train_time_s"] / probe["steps"])))
-    arm.append(f"train.finetune.max_steps={steps}")  # printed: `make export ARGS=...` serves this drafter
-    finetune = run_stage("finetune", with_overrides(cfg, arm))
+    finetune, arm = equal_time_finetune(cfg, arm, name, seconds)  # printed: `make export ARGS=...` serves it
     measured = [f"eval.drafter_path={finetune.path / 'drafter'}", f"target.dtype={target_dtype}",
                 "eval.dtype_candidates=[]", *EVAL]
     return finetune, run_stage("eval", with_overrides(cfg, [*arm, *measured])), arm
@@ -111,7 +124,7 @@ def main(out_dir, settings: BenchSettings) -> dict:
         arms["parallel_larger"] = parallel_arm(cfg, f"parallel-{layers}layers", k, seconds, target_dtype,
                                                [f"drafter.num_layers={layers}"])
     result = {"pair": PAIR, "recipe": settings.recipe, "cpu": cpu_model(), "parallel_k": k,
-              "probe_steps": PROBE_STEPS, "arms": {name: arm_summary(*dirs) for name, dirs in arms.items()},
+              "probe_steps": PROBE_STEPS, "time_tolerance": TIME_TOLERANCE, "arms": {name: arm_summary(*dirs) for name, dirs in arms.items()},
               "paired_vs_autoregressive": {name: paired(dirs[1], reference[1]) for name, dirs in arms.items()
                                            if name != "autoregressive"}}
     (out_dir / "parallel.json").write_text(json.dumps(result, indent=2) + "\n")
