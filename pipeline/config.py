@@ -395,6 +395,9 @@ class Config:
     seed: int = 0  # seeds data order, drafter init and sampling
     force: bool = False  # redo a stage whose directory is complete for this config
     needs_gpu: bool = False  # the recipe is sized for GPUs: slurm/submit.sh refuses it with --gpus-per-node 0
+    # the KEY=VALUE overrides it was composed with (recipe, lang and force aside): the commands that messages and
+    # the export's README name repeat them, so they reach this variant's folders; set by composition, not by hand
+    overrides: list[str] = field(default_factory=list)
     target: TargetConfig = MISSING
     drafter: DrafterConfig = MISSING
     lang: LangConfig = MISSING
@@ -520,13 +523,22 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
                           ) from exc
     finally:
         GlobalHydra.instance().clear()
+    cfg.overrides = command_overrides(overrides)
     validate(cfg)
     return cfg
+
+
+def command_overrides(overrides) -> list[str]:
+    """The overrides a command naming this variant repeats: the last value of each key, less recipe and lang (the
+    make command's RECIPE and LANG) and force (a message says when to force)."""
+    last = {item.partition("=")[0]: item for item in overrides}
+    return [item for key, item in last.items() if key not in ("recipe", "lang", "force")]
 
 
 def with_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     """A variant of a composed config: ``cfg`` with plain KEY=VALUE overrides (no config groups), validated."""
     variant = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+    variant.overrides = command_overrides([*cfg.overrides, *overrides])
     validate(variant)
     return variant
 

@@ -88,7 +88,7 @@ def make_command(cfg: DictConfig, stage: str, args: tuple[str, ...] = ()) -> str
         parts.append(f"LANG={cfg.lang.pair}")
     if cfg.recipe != "local":
         parts.append(f"RECIPE={cfg.recipe}")
-    overrides = [*([f"run={cfg.run}"] if cfg.run != cfg.recipe else []), *args]
+    overrides = list({item.partition("=")[0]: item for item in [*cfg.overrides, *args]}.values())  # the last of a key
     if overrides:
         parts.append(f"ARGS='{' '.join(overrides)}'")
     return " ".join(parts)

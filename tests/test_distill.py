@@ -168,7 +168,8 @@ def test_finetune_reads_every_shard_and_names_the_missing_ones_in_one_line(runs_
         stage_dir(compose_config(args), "finetune")
     message = str(error.value)
     assert "\n" not in message and "shard(s) 1 is not complete" in message
-    assert "make distill LANG=de-en RECIPE=ci ARGS='distill.num_shards=3 distill.shard=K'` for K in 1" in message
+    assert (f"make distill LANG=de-en RECIPE=ci ARGS='paths.runs_dir={runs_dir} distill.num_shards=3 "
+            "train.finetune.mode=finetune_only distill.shard=K'` for K in 1") in message
 
     cfg = compose_config([*args, "distill.shard=1"])
     shard_dirs[1].begin(cfg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -226,7 +227,11 @@ def test_export_stage_writes_a_servable_folder_whose_readme_snippet_runs(smollm_
     result = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "use_heterogeneous_vocab" in readme and "trust_remote_code=True" in readme
-    assert "`make eval LANG=de-en RECIPE=ci ARGS='eval.engine=vllm'`" in readme
+    # the README's command measures this drafter: it repeats the overrides that made it
+    command = re.search(r"`make eval LANG=de-en RECIPE=ci ARGS='([^']*)'`", readme).group(1).split()
+    served = compose_config(["recipe=ci", *command])
+    assert command[-1] == "eval.engine=vllm" and stage_dir(served, "export").path == out
+    assert stage_dir(served, "eval", check_inputs=False).path == out.with_name("eval-vllm")
     vllm_snippet = ast.parse(readme.split("```python\n")[2].split("```")[0])  # Python: True, not JSON's true
     call = next(n for n in ast.walk(vllm_snippet) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "LLM")
     spec = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "speculative_config"))

@@ -10,7 +10,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.config import REPO_ROOT, ConfigError, compose_config, config_hash
+from pipeline.config import REPO_ROOT, ConfigError, compose_config, config_hash, with_overrides
 from pipeline.rundir import MARKER, StageConflictError, StageInputError, make_command, stage_dir
 
 
@@ -96,12 +96,14 @@ def test_other_config_is_refused_and_force_keeps_the_old_results(ci_cfg, runs_di
 
 
 def test_missing_input_names_the_make_target(ci_cfg):
-    with pytest.raises(StageInputError, match=r"run `make distill LANG=de-en RECIPE=ci` first"):
+    runs = ci_cfg.paths.runs_dir  # the user's overrides are repeated: they say where this variant's folders are
+    args = rf"ARGS='paths.runs_dir={runs} paths.cache_dir={runs}/cache'"
+    with pytest.raises(StageInputError, match=rf"run `make distill LANG=de-en RECIPE=ci {args}` first"):
         stage_dir(ci_cfg, "finetune")
     distill = stage_dir(ci_cfg, "distill")
     distill.begin(ci_cfg)
     distill.finish(ci_cfg, {})
-    with pytest.raises(StageInputError, match=r"run `make pretrain RECIPE=ci` first"):
+    with pytest.raises(StageInputError, match=rf"run `make pretrain RECIPE=ci {args}` first"):
         stage_dir(ci_cfg, "finetune")
 
 
@@ -180,9 +182,15 @@ def test_vllm_eval_of_a_drafter_sits_beside_its_transformers_eval(runs_dir):
     assert ours.begin(cfg) and served.begin(vllm_cfg)
 
 
-def test_make_command_puts_the_run_and_more_overrides_in_one_args():
-    cfg = compose_config(["recipe=ci", "lang=fr-en", "run=lr-low"])
-    assert make_command(cfg, "eval", ("eval.engine=vllm",)) == "make eval LANG=fr-en RECIPE=ci ARGS='run=lr-low eval.engine=vllm'"
+def test_make_command_repeats_the_variants_overrides_and_more_in_one_args():
+    cfg = compose_config(["recipe=ci", "lang=fr-en", "run=lr-low", "train.finetune.lr=1e-4", "force=true"])
+    assert make_command(cfg, "eval", ("eval.engine=vllm",)) == ("make eval LANG=fr-en RECIPE=ci ARGS='run=lr-low "
+                                                                 "train.finetune.lr=1e-4 eval.engine=vllm'")
+    assert make_command(cfg, "distill", ("force=true",)).endswith("train.finetune.lr=1e-4 force=true'")
+    # a variant made from it (the benches'): its overrides after the parent's, the last value of a key kept
+    variant = with_overrides(cfg, ["run=lr-lower", "train.finetune.lr=1e-5"])
+    assert make_command(variant, "export") == ("make export LANG=fr-en RECIPE=ci ARGS='run=lr-lower "
+                                               "train.finetune.lr=1e-5'")
     assert make_command(compose_config([]), "pretrain") == "make pretrain"
 
 

@@ -85,7 +85,8 @@ def test_reduced_vocabulary_finetune_without_its_export_names_make_export(smollm
     base = finetuned_run(runs_dir, smollm_path, *tiny_reduced_drafter(smollm_path))
     argv = ["eval", *base, "eval.engine=vllm", "eval.temperatures=[0]"]
     err = refusal(argv, capsys)
-    assert "no complete export" in err and "run `make export LANG=de-en RECIPE=ci` first" in err
+    export_command = f"make export LANG=de-en RECIPE=ci ARGS='{' '.join(base[1:])} eval.engine=vllm eval.temperatures=[0]'`"
+    assert "no complete export" in err and f"run `{export_command} first" in err
     cfg = compose_config(base)
     export = stage_dir(cfg, "export")  # an export of another finetune (another drafter config, say)
     export.begin(cfg)
@@ -94,7 +95,7 @@ def test_reduced_vocabulary_finetune_without_its_export_names_make_export(smollm
     manifest["inputs"]["finetune"]["config_hash"] = "0123456789abcdef"
     export.manifest_path.write_text(json.dumps(manifest))
     err = refusal(argv, capsys)
-    assert "the export of another finetune" in err and "make export LANG=de-en RECIPE=ci` with force=true" in err
+    assert "the export of another finetune" in err and f"{export_command} with force=true" in err
 
 
 def test_counters_from_prometheus_text():
