@@ -76,11 +76,30 @@ def test_the_docs_exist():
     names = {p.relative_to(REPO_ROOT).as_posix() for p in DOCS}
     assert {"README.md", "docs/README.md", "docs/configuration.md", "docs/custom-target-and-pair.md",
             "docs/stages.md", "docs/metrics.md", "docs/design.md", "docs/slurm.md", "docs/benchmarks.md",
-            "docs/troubleshooting.md", "docs/results/README.md"} <= names
+            "docs/troubleshooting.md", "docs/results/README.md", "docs/glossary.md"} <= names
 
 
 def test_readme_stays_short():
     assert len((REPO_ROOT / "README.md").read_text().splitlines()) <= 200
+
+
+FIGURE = re.compile(r"(?<![\w.])\d+\.\d+(?![\d.])")  # 1.12 in "1.12×", "τ 1.33", "0.30 at"; not versions
+
+
+def test_every_readme_figure_is_on_a_result_page_its_section_cites():
+    """A README section that links pages of docs/results/ quotes them: each of its decimal figures appears on one of
+    those pages (or rounds one of them: 1.34 quotes 1.337), so a remeasured page with a stale README (or a README
+    edited past its page) fails here."""
+    stale = []
+    for section in re.split(r"\n(?=#{2,3} )", (REPO_ROOT / "README.md").read_text()):
+        pages = sorted(set(re.findall(r"\((docs/results/[^)#\s]+\.md)", section)))
+        if pages:
+            on_pages = FIGURE.findall(" ".join((REPO_ROOT / page).read_text() for page in pages))
+            quoted = {f"{float(figure):.{places}f}" for figure in on_pages
+                      for places in range(1, len(figure.partition(".")[2]) + 1)}
+            stale += [f"{section.splitlines()[0]}: {figure} is on none of {', '.join(pages)}"
+                      for figure in FIGURE.findall(section) if figure not in quoted]
+    assert not stale, "; ".join(stale)
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.relative_to(REPO_ROOT).as_posix())
