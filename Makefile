@@ -89,8 +89,8 @@ endif
 test: install ## all tests: fast unit tests and the slow end-to-end tests
 	$(PY) -m pytest -q
 
-test-fast: install ## only the fast unit tests
-	$(PY) -m pytest -q -m "not slow"
+test-fast: install ## only the fast unit tests (~5 min on 2 cores; make test adds the end-to-end and paper dry runs)
+	$(PY) -m pytest -q -m "not slow and not paper"
 
 config: install ## print the composed config
 	$(RUN) config recipe=$(RECIPE) lang=$(LANG_PAIR) $(ARGS)
