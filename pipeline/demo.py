@@ -1,7 +1,7 @@
 """The end of ``make demo``: gather the eval stages of the demo's language pairs into
 ``runs/demo-summary.json`` and print the result table with the paths of the reports and plots.
 
-    python -m pipeline.demo [--started UNIX_TIME] PAIR [PAIR ...] [-- key=value ...]
+    python -m pipeline.demo [--started UNIX_TIME] [--override KEY=VALUE ...] PAIR [PAIR ...]
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for pair in args.pairs:
             cfg = compose_config([f"recipe={RECIPE}", f"lang={pair}", *args.override])
-            eval_dir = stage_dir(cfg, "eval", check_inputs=False).path
-            if not (eval_dir / "COMPLETE").exists():
+            evaluation = stage_dir(cfg, "eval", check_inputs=False)
+            eval_dir = evaluation.path
+            if not evaluation.is_complete():
                 raise ConfigError(f"{eval_dir} is not complete; run `make all LANG={pair}` first")
             metrics = json.loads((eval_dir / "metrics.json").read_text())
             summary[pair] = {"temperatures": report.summary_of(metrics), "machine": machine_of(metrics)}

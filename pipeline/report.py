@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from pipeline.evaluation import greedy_gate_line
-from pipeline.rundir import VLLM_EVAL
+from pipeline.rundir import MARKER, VLLM_EVAL
 from pipeline.speculative.costs import cost_line
 
 METHOD_NAMES = {"target": "target only", "speculative": "speculative (ours)", "pld": "prompt lookup (PLD)",
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=Path, default=Path("runs"))
     args = parser.parse_args(argv)
     found = sorted(p for folder in ("eval", VLLM_EVAL) for p in args.runs.glob(f"**/{folder}/metrics.json")
-                   if (p.parent / "COMPLETE").exists())
+                   if (p.parent / MARKER).exists())
     if not found:
         print(f"error: no complete eval stage under {args.runs}; run `make eval` first")
         return 2
