@@ -528,11 +528,15 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     return cfg
 
 
+def last_of_each_key(overrides) -> list[str]:
+    """KEY=VALUE overrides with only the last value of a key kept (where the key first appeared)."""
+    return list({item.partition("=")[0]: item for item in overrides}.values())
+
+
 def command_overrides(overrides) -> list[str]:
     """The overrides a command naming this variant repeats: the last value of each key, less recipe and lang (the
     make command's RECIPE and LANG) and force (a message says when to force)."""
-    last = {item.partition("=")[0]: item for item in overrides}
-    return [item for key, item in last.items() if key not in ("recipe", "lang", "force")]
+    return [item for item in last_of_each_key(overrides) if item.partition("=")[0] not in ("recipe", "lang", "force")]
 
 
 def with_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:

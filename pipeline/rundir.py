@@ -43,7 +43,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.config import REPO_ROOT, ConfigError, SourceKind, config_hash, sections
+from pipeline.config import REPO_ROOT, ConfigError, SourceKind, config_hash, last_of_each_key, sections
 from pipeline.durable import write_atomic
 from pipeline.models.drafter import published_weights
 from pipeline.models.provision import fingerprint, hub_snapshot, is_local, model_fingerprint
@@ -88,7 +88,7 @@ def make_command(cfg: DictConfig, stage: str, args: tuple[str, ...] = ()) -> str
         parts.append(f"LANG={cfg.lang.pair}")
     if cfg.recipe != "local":
         parts.append(f"RECIPE={cfg.recipe}")
-    overrides = list({item.partition("=")[0]: item for item in [*cfg.overrides, *args]}.values())  # the last of a key
+    overrides = last_of_each_key([*cfg.overrides, *args])
     if overrides:
         parts.append(f"ARGS='{' '.join(overrides)}'")
     return " ".join(parts)

@@ -16,11 +16,11 @@ Both arms finetune the same pretrained drafter on the same distilled data, throu
 Every arm is then measured by the eval stage, back to back after all finetunes (a target step's cost drifts by
 ~30% over an hour on a shared 2-core VM, and a speedup is relative to it): methods target, speculative, hybrid;
 the recipe's prompts, seeds, K sweep and K choice; the finetuned folder as ``eval.drafter_path``, the
-autoregressive one under ``run=<run>-autoregressive``. Written to ``runs/bench/parallel.json``: per arm and temperature the measured speedup,
-τ, α, acceptance per draft position, the drafting cost per round draft(K) and the step costs, the training
-time and steps; paired per held-out decode (same prompt, temperature and seed) against the autoregressive
-arm, the mean difference of τ and of the speedup with its standard error. Training times are wall-clock
-seconds on one quiet machine (the CPU model is recorded).
+autoregressive one under ``run=<run>-autoregressive``. Written to ``runs/bench/parallel.json``: per arm and
+temperature the measured speedup, τ, α, acceptance per draft position, the drafting cost per round draft(K)
+and the step costs, the training time and steps; paired per held-out decode (same prompt, temperature and
+seed) against the autoregressive arm, the mean difference of τ and of the speedup with its standard error.
+Training times are wall-clock seconds on one quiet machine (the CPU model is recorded).
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ def main(out_dir, settings: BenchSettings) -> dict:
     # every arm's eval after all finetunes, back to back: speedups of evals an hour apart compare machine states
     arms = {name: (finetune, measure(cfg, finetune, arm, target_dtype), arm)
             for name, (finetune, arm) in finetunes.items()}
-    result = {"pair": PAIR, "recipe": settings.recipe, "cpu": cpu_model(), "parallel_k": k, "target_dtype": target_dtype,
-              "probe_steps": PROBE_STEPS, "time_tolerance": TIME_TOLERANCE,
+    result = {"pair": PAIR, "recipe": settings.recipe, "cpu": cpu_model(), "parallel_k": k,
+              "target_dtype": target_dtype, "probe_steps": PROBE_STEPS, "time_tolerance": TIME_TOLERANCE,
               "arms": {name: arm_summary(*dirs) for name, dirs in arms.items()},
               "paired_vs_autoregressive": {name: paired(dirs[1], arms["autoregressive"][1])
                                            for name, dirs in arms.items() if name != "autoregressive"}}
