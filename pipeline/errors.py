@@ -8,7 +8,15 @@ from pipeline.models.provision import ModelNotFoundError
 from pipeline.models.vocab import TokenizerMismatchError
 from pipeline.rundir import StageConflictError, StageInputError
 from pipeline.serving.server import ServingError
-from pipeline.speculative import AcceptanceMismatchError, LosslessError
+
+
+class LosslessError(RuntimeError):
+    """Speculative greedy output differs from the target's own greedy output (the stage fails in one line)."""
+
+
+class AcceptanceMismatchError(RuntimeError):
+    """An exported drafter's acceptance in transformers differs from our engine's with the same drafter (one line)."""
+
 
 USER_ERRORS = (ConfigError, StageInputError, StageConflictError, ModelNotFoundError, FileNotFoundError, TokenizerMismatchError,
                ServingError, LosslessError, AcceptanceMismatchError, CorruptLineError, DiskFullError)

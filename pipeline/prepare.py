@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from pipeline.config import ModelSource, SourceKind
 from pipeline.data.sources import cached_sources, hub_sources, load_sources
 from pipeline.durable import write_atomic
-from pipeline.evaluation import lang_config
+from pipeline.evaluation.heldout import lang_config
 from pipeline.models.drafter import published_weights
 from pipeline.models.provision import (NotPreparedError, cached_snapshot, check_model_name, download_snapshot, go_offline,
                                        hub_offline, is_local, load_tokenizer, model_path, prepare_hint)

@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from pipeline.config import ConfigError, PromptFormat
 
+IGNORE = -100  # the label of a token no loss or estimate reads (torch cross_entropy's ignore_index)
 Shot = tuple[str, str]  # a worked example shown before the request: (source text, its translation)
 
 

@@ -11,7 +11,6 @@ import argparse
 import json
 from pathlib import Path
 
-from pipeline.evaluation import greedy_gate_line
 from pipeline.rundir import MARKER, VLLM_EVAL
 from pipeline.speculative.costs import cost_line
 
@@ -55,6 +54,18 @@ def speedup_table(metrics: dict, label: str = "") -> list[tuple[str, list[str]]]
         if any(c != "–×" for c in cells):
             rows.append((f"{label}{METHOD_NAMES[method]}", [c.replace("–×", "–") for c in cells]))
     return rows
+
+
+def greedy_gate_line(lossless: dict, reference: str = "the target's") -> str:
+    """The report's sentence on the greedy gate: what was checked and how it ended."""
+    line = (f"Greedy outputs checked token by token against {reference}: {lossless['greedy_prompts_checked']} prompts, "
+            f"{lossless['outputs_checked']} outputs: {lossless['exact']} exact, {len(lossless['ties'])} numerical "
+            f"ties, {len(lossless['mismatches'])} mismatches")
+    if lossless["tie_tolerance"]:
+        line += f" (tie: top-2 logit gap below {lossless['tie_tolerance']:g} where the output first diverges)"
+    if lossless["ties"]:
+        line += "; tie gaps: " + ", ".join(f"{t['top2_gap']:.3g}" for t in lossless["ties"])
+    return line + "."
 
 
 def stage_report(metrics: dict) -> str:

@@ -25,6 +25,8 @@ from pipeline.errors import USER_ERRORS
 from pipeline.config import compose_config
 from pipeline.device import check_slurm_gpus
 from pipeline.prepare import offline_when_prepared
+from pipeline.registry import REGISTRY
+from importlib import import_module
 from pipeline.training.launch import accelerate_command, launch_env
 stage, config_file, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
 os.umask(0o077)  # the config file in a shared TMPDIR: readable by this user only
@@ -34,12 +36,13 @@ try:  # the checks the stage makes on node 0; the hub stays off here too once `m
     offline_when_prepared(cfg)
     OmegaConf.save(cfg, config_file, resolve=True)
     # exec'\''d into the reaper below, so it watches this node'\''s shell (the srun task), not itself
-    command = accelerate_command(cfg, stage, config_file, stage_pid=os.getppid())
+    train = import_module(REGISTRY[stage].module).train
+    command = accelerate_command(cfg, stage, train, config_file, stage_pid=os.getppid())
 except USER_ERRORS as exc:
     sys.exit(f"error: {exc}")
 os.execve(command[0], command, launch_env(cfg.train[stage].launch))
 ' "$stage" "${TMPDIR:-/tmp}/specdraft-$SLURM_JOB_ID-$stage-node$SLURM_NODEID.yaml" "$@" || status=$?
-    # Preempted (75, EXIT_PREEMPTED in pipeline/training/loop.py: every worker checkpointed) is node 0's to
+    # Preempted (75, EXIT_PREEMPTED in pipeline/workers.py: every worker checkpointed) is node 0's to
     # report, which requeues the job: a failure here would make srun (--kill-on-bad-exit) kill node 0's stage.
     ((status == 75)) && status=0
     exit "$status"

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pipeline.config import compose_config
-from pipeline.evaluation import GreedyGate, stop_condition, tie_tolerance
+from pipeline.evaluation.gate import GreedyGate, tie_tolerance
+from pipeline.evaluation.heldout import stop_condition
 from pipeline.models.drafter import init_drafter
 from pipeline.models.provision import load_model, load_tokenizer
 from pipeline.speculative.costs import choose_k, cost_line, dtype_candidates, no_k_pays, pick_dtype

@@ -120,7 +120,7 @@ def test_eval_processes_one_per_gpu_pinned_to_slurms_gpus_and_outside_the_eval_h
 
     from pipeline.config import ConfigError
     from pipeline.rundir import stage_dir
-    from pipeline.stages.eval import eval_processes, worker_gpus
+    from pipeline.evaluation.transformers_backend import eval_processes, worker_gpus
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -148,10 +148,10 @@ def test_eval_processes_one_per_gpu_pinned_to_slurms_gpus_and_outside_the_eval_h
 def test_a_failing_worker_process_ends_the_stage_in_one_line(ci_drafter, runs_dir, monkeypatch, capsys):
     """The worker is handed a drafter folder that does not exist: its error, reported as training's workers report
     theirs, stops the stage's own decoding and ends the command in that one line; no metrics are written."""
-    from pipeline.stages import eval as eval_stage
+    from pipeline.evaluation import transformers_backend as backend
 
-    start = eval_stage.Workers.__init__
-    monkeypatch.setattr(eval_stage.Workers, "__init__",
+    start = backend.Workers.__init__
+    monkeypatch.setattr(backend.Workers, "__init__",
                         lambda self, cfg, drafter_path, *args: start(self, cfg, "/nonexistent/drafter", *args))
     capsys.readouterr()
     assert cli.main(["eval", "recipe=ci", f"paths.runs_dir={runs_dir}", f"eval.drafter_path={ci_drafter}",
@@ -173,7 +173,7 @@ def test_drafter_with_another_tokenizer_is_refused_before_compute(gemma_path, sm
     def fail(*args, **kwargs):
         raise AssertionError("the target was loaded before the tokenizer gate")
 
-    monkeypatch.setattr("pipeline.stages.eval.load_model", fail)
+    monkeypatch.setattr("pipeline.evaluation.transformers_backend.load_model", fail)
     capsys.readouterr()  # drop the progress bars of building the drafter
     assert cli.main(["eval", "recipe=ci", f"paths.runs_dir={runs_dir}", f"eval.drafter_path={folder}"]) == 2
     err = capsys.readouterr().err
@@ -188,7 +188,7 @@ def test_report_without_eval_results_says_what_to_run(tmp_path, capsys):
 
 def test_matrix_langs_are_checked_and_switch_the_language(ci_cfg):
     from pipeline.config import ConfigError
-    from pipeline.stages.eval import lang_config
+    from pipeline.evaluation.heldout import lang_config
 
     other = lang_config(ci_cfg, "fr-en")
     assert (other.lang.pair, other.lang.src_name) == ("fr-en", "French") and ci_cfg.lang.pair == "de-en"
@@ -215,7 +215,8 @@ def test_language_router_drafts_each_prompt_with_its_languages_drafter(ci_drafte
     not, while the output stays the target's."""
     import shutil
 
-    from pipeline.stages.eval import MIXED, lang_config
+    from pipeline.evaluation.heldout import lang_config
+    from pipeline.evaluation.transformers_backend import MIXED
 
     base = ["recipe=ci", f"paths.runs_dir={runs_dir}", "eval.temperatures=[0.0]", "eval.num_prompts=4",
             "eval.methods=[target,speculative]", "eval.k_sweep=[4]"]
@@ -254,7 +255,7 @@ def test_router_langs_are_checked(ci_cfg, runs_dir, capsys):
 def test_greedy_mismatch_fails_the_stage_in_one_line_after_writing_its_outputs(ci_drafter, runs_dir, monkeypatch, capsys):
     """Fault injection: a speculative decode that emits one wrong token must fail the lossless gate."""
     from pipeline.speculative.engine import ModelDrafter
-    from pipeline.stages import eval as eval_stage
+    from pipeline.evaluation import transformers_backend as backend
 
     def corrupted(target, ids, max_new_tokens, stop, sampling, drafter=None, **kwargs):
         out = generate(target, ids, max_new_tokens, stop, sampling, drafter=drafter, **kwargs)
@@ -262,8 +263,8 @@ def test_greedy_mismatch_fails_the_stage_in_one_line_after_writing_its_outputs(c
             out.tokens[-1] = (out.tokens[-1] + 1) % target.model.config.vocab_size
         return out
 
-    generate = eval_stage.generate
-    monkeypatch.setattr(eval_stage, "generate", corrupted)
+    generate = backend.generate
+    monkeypatch.setattr(backend, "generate", corrupted)
     args = ["eval", "recipe=ci", f"paths.runs_dir={runs_dir}", f"eval.drafter_path={ci_drafter}",
             "eval.temperatures=[0.0]", "eval.num_prompts=2", "eval.methods=[target,speculative]", "eval.k_sweep=[4]"]
     capsys.readouterr()
@@ -344,12 +345,12 @@ def test_eval_chooses_target_dtype_and_k_from_measured_costs_and_says_when_no_k_
                                                                                      capsys):
     """Injected costs of a machine where bf16 verifies fastest and no K pays (issue 30's Xeon: v(K) ~2): the eval
     decodes every method in bf16 (tie-gated), picks K per method, and says in one line why the drafter cannot pay."""
-    from pipeline.stages import eval as eval_stage
+    from pipeline.evaluation import transformers_backend as backend
 
-    monkeypatch.setattr(eval_stage, "half_precision_dtypes", lambda device: ["bfloat16"])
-    monkeypatch.setattr(eval_stage, "time_steps", lambda models, ids, k: {
+    monkeypatch.setattr(backend, "half_precision_dtypes", lambda device: ["bfloat16"])
+    monkeypatch.setattr(backend, "time_steps", lambda models, ids, k: {
         "float32": {"step_s": 0.050, "verify_s": 0.104}, "bfloat16": {"step_s": 0.049, "verify_s": 0.053}})
-    monkeypatch.setattr(eval_stage, "step_costs", lambda target, drafter, ids, ks: {
+    monkeypatch.setattr(backend, "step_costs", lambda target, drafter, ids, ks: {
         "target_step_s": 0.05, "drafter_step_s": 0.01, "c": 0.2, "v": {k: 1.9 + 0.05 * k for k in ks}})
     args = ["eval", "recipe=ci", f"paths.runs_dir={runs_dir}", f"eval.drafter_path={ci_drafter}", "eval.warmup=1",
             "eval.dtype_candidates=[bfloat16]"]

@@ -159,18 +159,18 @@ def test_vllm_engine_serves_an_export_folder_through_its_vllm_form(exported):
     """eval.engine=vllm with eval.drafter_path at an export: the map read back from the export's weights, vLLM's
     mapping checked against it, and the heterogeneous-vocabulary speculative_config; a vllm/ tokenizer that maps
     otherwise is refused (no server starts in either case)."""
-    from pipeline.speculative import vllm_engine
+    from pipeline.evaluation import vllm_backend
 
     folder, target, vocab = exported["dir"] / "export", str(exported["dir"] / "target"), exported["vocab"]
     assert torch.equal(exported_vocab(folder).target_ids, vocab.target_ids)
     cfg = compose_config(["recipe=ci", "eval.temperatures=[0]", "eval.num_draft_tokens=3"])
-    assert vllm_engine.check(cfg, None, target, str(folder)) == {
+    assert vllm_backend.check(cfg, None, target, str(folder)) == {
         "method": "draft_model", "model": str((folder / VLLM_DIR).resolve()), "num_speculative_tokens": 3,
         "use_heterogeneous_vocab": True}
     wrong = VocabMap(vocab.target_ids.flip(0), TARGET_VOCAB)
     reduced_tokenizer(exported["tokenizer"], wrong).save_pretrained(folder / VLLM_DIR)
     with pytest.raises(TokenizerMismatchError, match=r"cannot run .*vllm: vLLM's heterogeneous vocabulary .* maps"):
-        vllm_engine.check(cfg, None, target, str(folder))
+        vllm_backend.check(cfg, None, target, str(folder))
 
 
 def test_our_engine_refuses_an_export_folder_in_one_line_naming_the_drafter_it_came_from(exported):

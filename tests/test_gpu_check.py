@@ -77,7 +77,8 @@ def test_the_trap_passes_placed_tensors_and_catches_unplaced_ones():
 
 def test_gpu_check_imports_no_heavy_optional_module():
     code = ("import sys, pipeline.cli, pipeline.gpu_check.checks, pipeline.gpu_check.measurements, "
-            "pipeline.gpu_check.stages, pipeline.stages.eval, pipeline.stages.export; "
+            "pipeline.gpu_check.stages, pipeline.stages.eval, pipeline.evaluation.transformers_backend, "
+            "pipeline.stages.export; "
             f"print([m for m in {HEAVY!r} if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

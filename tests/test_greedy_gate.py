@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline.evaluation import GreedyGate, first_divergence, greedy_gate_line, tie_tolerance
-from pipeline.speculative import LosslessError
+from pipeline.evaluation.gate import GreedyGate, first_divergence, tie_tolerance
+from pipeline.report import greedy_gate_line
+from pipeline.errors import LosslessError
 from pipeline.speculative.engine import top2_gap
 
 VOCAB = 8

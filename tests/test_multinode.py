@@ -21,7 +21,7 @@ from pipeline.config import REPO_ROOT, compose_config
 from pipeline.rundir import MARKER, stage_dir
 from pipeline.serving.server import free_port
 from pipeline.training.launch import read_metrics
-from pipeline.training.loop import EXIT_PREEMPTED
+from pipeline.workers import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow
 TRAIN_NODE = str(REPO_ROOT / "slurm" / "train-node.sh")

@@ -14,9 +14,10 @@ from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.config import Divergence, FinetuneConfig
+from pipeline.evaluation.teacher_forced import TeacherForced, drafter_log_probs
 from pipeline.models.vocab import VocabMap
 from pipeline.training import loop, on_policy
-from pipeline.training.data import IGNORE
+from pipeline.prompts import IGNORE
 from pipeline.training.launch import MetricsLog
 
 TARGET_VOCAB, MAPPED, EOS, PAD = 48, 24, 2, 0
@@ -57,7 +58,7 @@ def test_reduced_vocabulary_divergence_equals_brute_force_over_the_whole_vocabul
     target_logits = torch.randn(5, TARGET_VOCAB, dtype=torch.float64) * 3
     drafter_logits = torch.randn(5, MAPPED + 1, dtype=torch.float64) * 3  # the last column: unk, never proposed
     log_p = torch.log_softmax(target_logits, -1)
-    got = on_policy.divergence(on_policy.drafter_log_probs(drafter_logits, VOCAB).double(), log_p[:, :MAPPED], kind)
+    got = on_policy.divergence(drafter_log_probs(drafter_logits, VOCAB).double(), log_p[:, :MAPPED], kind)
 
     p = log_p.exp()
     q = torch.zeros_like(p)
@@ -77,7 +78,7 @@ def test_reduced_vocabulary_divergence_equals_brute_force_over_the_whole_vocabul
 def test_target_scores_and_heldout_estimate_equal_a_full_vocabulary_computation():
     target, drafter = llama(TARGET_VOCAB, 0), llama(MAPPED + 1, 1)
     held = examples(4)
-    estimate = on_policy.HeldOut(target, VOCAB, held, PAD)(drafter)
+    estimate = TeacherForced(target, VOCAB, held, PAD)(drafter)
     accept, agree, count = 0.0, 0.0, 0
     for e in held:  # one unpadded sequence at a time, the whole vocabulary
         ids = torch.as_tensor(e["input_ids"])[None]

@@ -12,7 +12,8 @@ from transformers import AutoTokenizer
 from pipeline.config import ConfigError, compose_config
 from pipeline.data.sources import load_sources
 from pipeline.training import data
-from pipeline.training.data import IGNORE, Collator
+from pipeline.prompts import IGNORE
+from pipeline.training.data import Collator
 
 JPARACRAWL = [  # domain, domain, score, English, Japanese (as NTT distributes en-ja)
     "example.com\texample.jp\t0.77\tThe weather is very nice today, isn't it?\t今日はとても良い天気ですね、そう思いませんか？",

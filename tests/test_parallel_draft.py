@@ -15,7 +15,7 @@ from pipeline.models.vocab import PARD_K, PARD_TOKEN, VocabMap
 from pipeline.speculative.engine import (CachedModel, LookupThenModelDrafter, ParallelDrafter, PromptLookupDrafter,
                                          check_parallel_k, generate, model_drafter)
 from pipeline.speculative.sampler import Sampling, probabilities
-from pipeline.training.data import IGNORE
+from pipeline.prompts import IGNORE
 from pipeline.training.parallel_draft import ParallelDraftCollator, attention_mask, mask_token
 from test_engine import NO_STOP, PROMPT, VOCAB, full_greedy, llama
 from test_sampler import assert_follows

@@ -21,7 +21,8 @@ from pipeline.config import REPO_ROOT, compose_config
 from pipeline.rundir import MARKER, stage_dir
 from pipeline.stages import distill, eval as eval_stage, export, finetune, pretrain
 from pipeline.training.launch import LAUNCH_CONFIG, read_metrics
-from pipeline.training.loop import CHECKPOINTS, EXIT_PREEMPTED
+from pipeline.training.loop import CHECKPOINTS
+from pipeline.workers import EXIT_PREEMPTED
 
 TWO_PROCESSES = ["train.pretrain.launch=ddp-cpu", "train.pretrain.num_processes=2"]
 
@@ -95,9 +96,11 @@ def test_no_accelerate_worker_is_left_after_a_kill_9_of_the_stage(tmp_path, smol
                 stage.wait()
 
 
+# each stage's first call (for eval: its backend's), where the SIGTERM comes
 @pytest.mark.parametrize("module, first_call", [
-    (pretrain, "model_path"), (finetune, "model_path"), (eval_stage, "resolve_device"), (export, "resolve_device"),
-    (distill, "_run_locked")])
+    (pretrain, "pipeline.stages.pretrain.model_path"), (finetune, "pipeline.stages.finetune.model_path"),
+    (eval_stage, "pipeline.evaluation.transformers_backend.resolve_device"),
+    (export, "pipeline.stages.export.resolve_device"), (distill, "pipeline.stages.distill._run_locked")])
 def test_sigterm_ends_every_stage_with_exit_75(module, first_call, ci_cfg, tmp_path, monkeypatch):
     """A SIGTERM as soon as the stage starts (Slurm preempts a job still loading its models) ends it with 75,
     the status Slurm scripts and users read as "run the same command again"."""
@@ -107,7 +110,7 @@ def test_sigterm_ends_every_stage_with_exit_75(module, first_call, ci_cfg, tmp_p
     def unhandled(signum, frame):
         raise AssertionError(f"{module.__name__} left SIGTERM at its default: killed, exit 143")
 
-    monkeypatch.setattr(module, first_call, terminated)
+    monkeypatch.setattr(first_call, terminated)
     previous = signal.signal(signal.SIGTERM, unhandled)
     try:
         with pytest.raises(SystemExit) as stopped:

@@ -52,6 +52,7 @@ def test_no_key_in_any_file_log_or_command_line_and_run_directories_are_private(
                                                                                   monkeypatch):
     import wandb
 
+    from pipeline.stages import pretrain as pretrain_stage
     from pipeline.training import launch
 
     keys = {"OPENAI_API_KEY": vllm_server.endpoint.api_key,  # the endpoint's key, as distill.server.url takes it
@@ -79,7 +80,7 @@ def test_no_key_in_any_file_log_or_command_line_and_run_directories_are_private(
     pretrain.begin(cfg)
     with monkeypatch.context() as patched, pytest.raises(Launched):
         patched.setattr(launch.subprocess, "Popen", no_launch)
-        launch.run_training(cfg, "pretrain", pretrain, Tracker())
+        launch.run_training(cfg, "pretrain", pretrain_stage.train, pretrain, Tracker())
     assert (pretrain.path / launch.LAUNCH_CONFIG).exists()
 
     # a Slurm node other than the first writes its config to $TMPDIR; an unresolvable main node ends it at once

@@ -114,7 +114,8 @@ def test_a_stop_token_ends_the_answer_and_finetuning_trains_on_it(vllm_server, s
     token, and a record without ids (another endpoint) gets it back from its stop_reason."""
     from pipeline.models.provision import load_tokenizer
     from pipeline.prompts import build_prompt, prompt_ids
-    from pipeline.training.data import IGNORE, record_example
+    from pipeline.prompts import IGNORE
+    from pipeline.training.data import record_example
 
     cfg = compose_config(["recipe=ci"])
     tokenizer = load_tokenizer(smollm_path)

@@ -22,9 +22,11 @@ from pipeline.models.provision import load_model, load_tokenizer
 from pipeline.models.vocab import VocabMap
 from pipeline.prompts import build_prompt
 from pipeline.rundir import MARKER, stage_dir
-from pipeline.training.data import IGNORE, Collator, TokenStrings, finetune_examples, read_records
+from pipeline.prompts import IGNORE
+from pipeline.training.data import Collator, TokenStrings, finetune_examples, read_records
 from pipeline.training.launch import read_metrics
-from pipeline.training.loop import EXIT_PREEMPTED, latest_checkpoint
+from pipeline.training.loop import latest_checkpoint
+from pipeline.workers import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow
 

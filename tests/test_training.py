@@ -17,8 +17,10 @@ from pipeline.config import ConfigError, Loss, ParallelDraftConfig, TrainConfig,
 from pipeline.models.provision import load_model, load_tokenizer
 from pipeline.models.vocab import VocabMap
 from pipeline.training import losses, loop
-from pipeline.training.data import IGNORE, Collator, TokenStrings, pack, record_example
+from pipeline.prompts import IGNORE
+from pipeline.training.data import Collator, TokenStrings, pack, record_example
 from pipeline.training.launch import MetricsLog, read_metrics
+from pipeline.workers import EXIT_PREEMPTED
 
 VOCAB = 32
 
@@ -80,7 +82,7 @@ def test_interrupted_then_resumed_run_reproduces_the_losses_exactly(tmp_path):
     with pytest.raises(loop.Preempted) as stopped:
         run(tc, examples, tmp_path / "b", on_log=preempt)
     # The signal arrived after step 7's stop check: the loop finishes step 8, checkpoints and stops.
-    assert stopped.value.code == loop.EXIT_PREEMPTED and stopped.value.step == 8
+    assert stopped.value.code == EXIT_PREEMPTED and stopped.value.step == 8
     assert loop.latest_checkpoint(tmp_path / "b").name == "step-00000008"
     # nothing in a checkpoint is unpickled with weights_only=False: the schedule is rebuilt from step.json
     assert not list(loop.latest_checkpoint(tmp_path / "b").glob("custom_checkpoint_*"))

@@ -32,7 +32,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.bench import BenchSettings, heldout_prompts
 from pipeline.device import resolve_device
-from pipeline.evaluation import environment, stop_condition
+from pipeline.evaluation.heldout import stop_condition
+from pipeline.evaluation.results import environment
 from pipeline.data.sharegpt import iter_texts
 from pipeline.data.sources import load_sources
 from pipeline.models.drafter import load_drafter

@@ -37,7 +37,9 @@ from omegaconf import OmegaConf
 
 from pipeline.bench import BenchSettings
 from pipeline.config import Divergence
-from pipeline.evaluation import greedy_heldout_examples, stop_condition
+from pipeline.evaluation.heldout import greedy_heldout_examples, stop_condition
+from pipeline.evaluation import teacher_forced
+from pipeline.evaluation.teacher_forced import TeacherForced
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.rundir import stage_dir
@@ -105,7 +107,7 @@ def run_arm(name, tc, sft_model, examples, collate, objective, held_out, budget_
 @torch.no_grad()
 def scoring_cost(target, vocab, held_out) -> dict:
     """CPU seconds of the target's scoring of the held-out answers: its body over every token, the exact
-    full output layer at the answer positions (what on_policy.score runs), and the map's rows alone (what
+    full output layer at the answer positions (what teacher_forced.score runs), and the map's rows alone (what
     an estimate of the outside mass would need)."""
     def cpu(fn) -> float:
         start = time.process_time()
@@ -114,11 +116,11 @@ def scoring_cost(target, vocab, held_out) -> dict:
 
     ids, mask = held_out.input_ids, held_out.attention_mask
     body = lambda: target.base_model(input_ids=ids, attention_mask=mask,  # noqa: E731
-                                     position_ids=on_policy.position_ids(mask)).last_hidden_state
+                                     position_ids=teacher_forced.position_ids(mask)).last_hidden_state
     body_s = cpu(body)
-    full_s = cpu(lambda: on_policy.score(target, ids, mask, held_out.scored, vocab)) - body_s
+    full_s = cpu(lambda: teacher_forced.score(target, ids, mask, held_out.scored, vocab)) - body_s
     hidden, rows = body()[held_out.scored], target.get_output_embeddings().weight[vocab.target_ids]
-    rows_s = cpu(lambda: [(chunk @ rows.T).logsumexp(-1) for chunk in hidden.split(on_policy.SCORE_CHUNK)])
+    rows_s = cpu(lambda: [(chunk @ rows.T).logsumexp(-1) for chunk in hidden.split(teacher_forced.SCORE_CHUNK)])
     return {"tokens": int(mask.sum()), "scored_positions": len(hidden), "body_cpu_s": round(body_s, 2),
             "full_head_cpu_s": round(full_s, 2), "map_rows_head_cpu_s": round(rows_s, 2)}
 
@@ -161,7 +163,7 @@ def main(out_dir: Path, settings: BenchSettings) -> dict:
     sft_model, vocab = load_drafter(str(directory.path / "drafter"), target_path)
     records = [record for part in directory.inputs["distill"].parts for record in read_records(part.path / "records")]
     examples = finetune_examples(records, tokenizer, tc.max_length)
-    held_out = on_policy.HeldOut(target, vocab, greedy_heldout_examples(
+    held_out = TeacherForced(target, vocab, greedy_heldout_examples(
         cfg, target, tokenizer, int(os.environ.get("ON_POLICY_HELDOUT", "32")), HELDOUT_TOKENS), tokenizer.pad_token_id)
     stops = on_policy.rollout_stop_ids(stop_condition(cfg.target, tokenizer, target))
 

@@ -25,7 +25,9 @@ import torch
 
 from pipeline.bench import BenchSettings, heldout_prompts
 from pipeline.device import resolve_device
-from pipeline.evaluation import environment, first_divergence, stop_condition
+from pipeline.evaluation.gate import first_divergence
+from pipeline.evaluation.heldout import stop_condition
+from pipeline.evaluation.results import environment
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.speculative.engine import CachedModel, PromptLookupDrafter, generate
 

@@ -19,7 +19,7 @@ import torch
 
 from pipeline.bench import BenchSettings, heldout_prompts
 from pipeline.device import clock, half_precision_dtypes, resolve_device
-from pipeline.evaluation import environment
+from pipeline.evaluation.results import environment
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.speculative.costs import forward_seconds
 

@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from pipeline import device as devices
-from pipeline.evaluation import GreedyGate, tie_tolerance
+from pipeline.evaluation.gate import GreedyGate, tie_tolerance
 from pipeline.gpu_check.models import SMALL, last_token_pair, calibrate, random_model, prompt_ids
 from pipeline.gpu_check.traps import CudaSyncWarnings, PlacementTrap, SyncCounter
 from pipeline.models.vocab import VocabMap

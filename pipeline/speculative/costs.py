@@ -7,7 +7,7 @@
   is never slowed to flatter the ratio. Why: on some CPUs a float32 forward over 2–16 tokens falls into a
   skinny-matrix BLAS path twice as slow as the one-token one (v(4) = 2.07 on a 2-core Xeon), while native bf16
   stays near the one-token cost. Half precision changes the target's greedy output only at numerical ties,
-  which the greedy gate tolerates (pipeline/evaluation.py). The drafter then runs in the chosen dtype too, as
+  which the greedy gate tolerates (pipeline/evaluation/gate.py). The drafter then runs in the chosen dtype too, as
   vLLM and transformers' assisted generation serve a draft model in the target's.
 - **K per method and temperature** (``eval.choose_k``). From the τ of the warm-up decodes and the measured c
   and v(K), the K among the measured ones whose predicted speedup τ(K) / (K·c + v(K)) is highest (a parallel

@@ -52,7 +52,7 @@ from pipeline.serving.client import TargetClient, failure_cause, is_transient
 from pipeline.serving.server import (Endpoint, ServingError, VLLMServer, check_model_folder, data_parallel_size,
                                      served_dtype, target_server)
 from pipeline.tracking import Tracker
-from pipeline.training.loop import exit_on_preemption
+from pipeline.workers import exit_on_preemption
 
 RECORDS_DIR = "records"
 BACK_TRANSLATIONS_DIR = "back_translations"  # the reverse pair's records (data.back_translation)

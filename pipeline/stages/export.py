@@ -28,7 +28,10 @@ from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM
 
 from pipeline.device import resolve_device
-from pipeline.evaluation import GreedyGate, environment, greedy_gate_line, heldout_prompts, stop_condition, tie_tolerance
+from pipeline.evaluation.gate import GreedyGate, tie_tolerance
+from pipeline.evaluation.heldout import heldout_prompts, stop_condition
+from pipeline.evaluation.results import environment
+from pipeline.report import greedy_gate_line
 from pipeline.jsonl import write_jsonl
 from pipeline.models.drafter import load_drafter
 from pipeline.models.export import (
@@ -44,11 +47,11 @@ from pipeline.models.export import (
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.prompts import prompt_ids
 from pipeline.rundir import git_revision, make_command
-from pipeline.speculative import AcceptanceMismatchError
+from pipeline.errors import AcceptanceMismatchError
 from pipeline.speculative.engine import CachedModel, ModelDrafter, generate, hf_generate, top2_gap
 from pipeline.speculative.metrics import alpha_from_tau
 from pipeline.speculative.sampler import Sampling
-from pipeline.training.loop import exit_on_preemption
+from pipeline.workers import exit_on_preemption
 
 SAMPLES = "samples.jsonl"
 NOISE_SE = 4  # |tau_hf - tau_ours| beyond this many standard errors of the difference fails the stage

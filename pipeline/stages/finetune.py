@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from transformers import AutoConfig
 
 from pipeline.config import FinetuneMode, Loss
-from pipeline.evaluation import stop_condition
+from pipeline.evaluation.heldout import stop_condition
 from pipeline.models.drafter import build_drafter, check_drafter, load_drafter, reduced_vocab, specialize_vocab
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.rundir import StageDir, StageInputError, make_command
@@ -31,16 +31,17 @@ from pipeline.training import loop, on_policy
 from pipeline.training.data import (TokenStrings, finetune_examples, load_examples, prompt_fraction, read_records,
                                     save_examples, teacher_coverage, token_counts)
 from pipeline.training.launch import MetricsLog, run_training
+from pipeline.workers import exit_on_preemption
 from pipeline.training.on_policy import rollout_stop_ids, split_heldout
 
 
 EXAMPLES, HELDOUT = "examples/train.npz", "examples/heldout.npz"  # in the stage folder: tokenized by the stage
 
 
-@loop.exit_on_preemption("finetune: stopped; run the same command again to continue from the last checkpoint")
+@exit_on_preemption("finetune: stopped; run the same command again to continue from the last checkpoint")
 def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
     counts = tokenize(cfg, directory)  # in this process, before any training process starts
-    return {**run_training(cfg, "finetune", directory, tracker), **counts}
+    return {**run_training(cfg, "finetune", train, directory, tracker), **counts}
 
 
 def tokenize(cfg: DictConfig, directory: StageDir) -> dict:

@@ -21,15 +21,16 @@ from pipeline.tracking import Tracker
 from pipeline.training import loop
 from pipeline.training.data import pack, read_pretrain_tokens, token_counts, write_pretrain_tokens
 from pipeline.training.launch import MetricsLog, run_training
+from pipeline.workers import exit_on_preemption
 
 
-@loop.exit_on_preemption("pretrain: stopped; run the same command again to continue from the last checkpoint")
+@exit_on_preemption("pretrain: stopped; run the same command again to continue from the last checkpoint")
 def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
     target_path = model_path(cfg.target, cfg.paths.models_dir)
     if weights := published_weights(cfg.drafter):  # the compatibility gate, before any tokenizing
         check_drafter(weights, target_path, cfg.drafter.name)
     read = write_pretrain_tokens(cfg, load_tokenizer(target_path), cfg.train.pretrain.token_budget)
-    return {**run_training(cfg, "pretrain", directory, tracker), "corpora": read["corpora"]}
+    return {**run_training(cfg, "pretrain", train, directory, tracker), "corpora": read["corpora"]}
 
 
 def train(cfg: DictConfig, directory: StageDir, log: MetricsLog) -> dict:

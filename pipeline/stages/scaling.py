@@ -34,7 +34,8 @@ from omegaconf import DictConfig
 
 from pipeline.config import FinetuneMode, ScalingSeries, with_overrides
 from pipeline.device import resolve_device
-from pipeline.evaluation import greedy_heldout_examples
+from pipeline.evaluation.heldout import greedy_heldout_examples
+from pipeline.evaluation.teacher_forced import TeacherForced
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.report import summary_of
@@ -44,8 +45,7 @@ from pipeline.runner import run_stage
 from pipeline.speculative.engine import CachedModel, expected_tokens, predicted_speedup, step_costs
 from pipeline.speculative.metrics import mean_and_standard_error
 from pipeline.tracking import Tracker
-from pipeline.training.data import IGNORE
-from pipeline.training.on_policy import HeldOut
+from pipeline.prompts import IGNORE
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the file backend
@@ -129,7 +129,7 @@ def measure(cfg: DictConfig, found: dict[str, dict]) -> tuple[dict, dict, int]:
     measured = {}
     for name, drafter in found.items():
         model, vocab = load_drafter(drafter["folder"], target_path, device=device)
-        acceptance, agreement = HeldOut(target, vocab, examples, pad_id).per_token(model)
+        acceptance, agreement = TeacherForced(target, vocab, examples, pad_id).per_token(model)
         measured[name] = {"t0_agreement": mean_and_standard_error(agreement),
                           "t1_acceptance": mean_and_standard_error(acceptance)}
     # c and v(K): one drafter stands for all (the same architecture); the first call is a warm-up

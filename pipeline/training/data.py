@@ -32,9 +32,9 @@ from tqdm import tqdm
 from pipeline import prompts
 from pipeline.data.sharegpt import iter_conversations
 from pipeline.jsonl import parse_jsonl
+from pipeline.prompts import IGNORE
 from pipeline.models.vocab import VocabMap
 
-IGNORE = -100  # torch cross_entropy's ignore_index
 TOKENIZE_BATCH = 512
 READ_FILE = "read.json"  # a pretraining cache's counts, written last
 

@@ -4,17 +4,18 @@
 ``deepspeed-zero2``) or ``num_processes > 1`` runs
 
     accelerate launch --config_file recipes/launch/<launch>.yaml --num_processes N \\
-        $SPECDRAFT_LAUNCH_ARGS -m pipeline.training.launch STAGE <stage dir>/launch_config.yaml
+        $SPECDRAFT_LAUNCH_ARGS -m pipeline.training.launch MODULE:train STAGE <stage dir>/launch_config.yaml
 
 under ``pipeline.reaper``, which kills the launcher and its workers if the stage dies (even by SIGKILL).
-Its processes run the same ``pipeline.stages.<stage>.train``; multi-node jobs put
+Its processes run the same ``train`` function, the one the stage passed (named by module here: the
+stages sit above this module, which never imports them); multi-node jobs put
 ``--num_machines/--machine_rank/--main_process_ip`` in ``SPECDRAFT_LAUNCH_ARGS`` (slurm/ does, from
 SLURM_* variables). Both ways write the same outputs: the drafter folder, ``metrics.jsonl`` (one line
 per logged step, replayed into the stage's tracker) and the counts for the manifest.
 
-A worker that fails writes its error to ``<stage dir>/worker-errors/rank-N.json`` (the folder is named
-by ``SPECDRAFT_WORKER_ERRORS``); the stage raises it again, so a user error (one of
-``pipeline.errors.USER_ERRORS``) ends the command in the same one line as in a single process. A preemption signal
+A worker that fails writes its error where the stage raises it again (pipeline/workers.py), so a user error
+(one of ``pipeline.errors.USER_ERRORS``) ends the command in the same one line as in a single process. A
+preemption signal
 (SIGTERM, SIGUSR1) to the stage is passed to the workers themselves, which checkpoint at the end of the
 step and exit; the launcher is left alone (torchrun would SIGKILL its workers 30 s after a SIGTERM).
 """
@@ -22,7 +23,6 @@ step and exit; the launcher is left alone (torchrun would SIGKILL its workers 30
 from __future__ import annotations
 
 import contextlib
-import importlib
 import importlib.util
 import json
 import os
@@ -31,25 +31,23 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
+from pkgutil import resolve_name
 
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import Config, ConfigError, option_file
 from pipeline.durable import write_atomic
 from pipeline.jsonl import AppendOnlyJsonl, read_jsonl
-from pipeline.errors import USER_ERRORS, user_error
 from pipeline.rundir import StageDir, stage_dir
 from pipeline.serving.server import free_port
 from pipeline.tracking import Tracker
-from pipeline.training.loop import EXIT_PREEMPTED
+from pipeline.workers import EXIT_PREEMPTED, WORKER_ERRORS, WORKER_ERRORS_ENV, report_error, worker_error
 
 METRICS = "metrics.jsonl"
 SUMMARY = "train_summary.json"
 LAUNCH_CONFIG = "launch_config.yaml"
-WORKER_ERRORS = "worker-errors"
-WORKER_ERRORS_ENV = "SPECDRAFT_WORKER_ERRORS"
 
 
 class MetricsLog:
@@ -86,8 +84,9 @@ def processes(cfg: DictConfig, stage: str) -> int:
     return count
 
 
-def accelerate_command(cfg: DictConfig, stage: str, config_file: Path, stage_pid: int | None = None) -> list[str]:
-    """The launch under the reaper, which ends it when ``stage_pid`` (default: this process) dies."""
+def accelerate_command(cfg: DictConfig, stage: str, train: Callable, config_file: Path,
+                       stage_pid: int | None = None) -> list[str]:
+    """The launch of ``train`` under the reaper, which ends it when ``stage_pid`` (default: this process) dies."""
     tc = cfg.train[stage]
     extra = shlex.split(os.environ.get("SPECDRAFT_LAUNCH_ARGS", ""))  # multi-node: slurm/train-node.sh's rendezvous
     # a free port, not a fixed one: two trainings on one node would otherwise join each other's process group
@@ -99,7 +98,7 @@ def accelerate_command(cfg: DictConfig, stage: str, config_file: Path, stage_pid
         "--config_file", str(option_file("launch", tc.launch)),
         "--num_processes", str(processes(cfg, stage)),
         *port, *extra,
-        "-m", "pipeline.training.launch", stage, str(config_file),
+        "-m", "pipeline.training.launch", f"{train.__module__}:{train.__qualname__}", stage, str(config_file),
     ]
 
 
@@ -139,28 +138,12 @@ def stop_workers(reaper: subprocess.Popen) -> None:
             worker.send_signal(signal.SIGTERM)
 
 
-def worker_error(errors_dir: Path, stage: str, code: int) -> Exception:
-    """The error to end a failed launch with: a worker's user error as it was raised, else the first one
-    raised (the others are often its echo: a collective that lost its peer)."""
-    reports = [json.loads(path.read_text()) for path in errors_dir.glob("rank-*.json")]
-    reports.sort(key=lambda report: (not report["user_error"], report["time"]))
-    if not reports:
-        return RuntimeError(f"the worker processes of {stage} failed with exit code {code}; see the output above")
-    first = reports[0]
-    module, _, name = first["type"].rpartition(".")
-    cls = getattr(importlib.import_module(module), name, None) if first["user_error"] else None
-    if isinstance(cls, type) and issubclass(cls, USER_ERRORS):
-        return cls(first["message"])
-    return RuntimeError(f"the worker processes of {stage} failed with exit code {code}: rank {first['rank']} raised "
-                        f"{first['type']}: {first['message']}")
-
-
-def run_training(cfg: DictConfig, stage: str, directory: StageDir, tracker: Tracker) -> dict:
-    """The stage's ``run``: train here or under accelerate launch; returns the manifest counts."""
-    module = importlib.import_module(f"pipeline.stages.{stage}")
+def run_training(cfg: DictConfig, stage: str, train: Callable, directory: StageDir, tracker: Tracker) -> dict:
+    """The stage's ``run``: its ``train(cfg, directory, log)`` here or under accelerate launch; returns the manifest
+    counts."""
     tc = cfg.train[stage]
     if tc.launch == "single" and processes(cfg, stage) == 1:
-        return module.train(cfg, directory, MetricsLog(directory.path / METRICS, tracker))
+        return train(cfg, directory, MetricsLog(directory.path / METRICS, tracker))
 
     if "deepspeed" in tc.launch and importlib.util.find_spec("deepspeed") is None:
         raise ConfigError(f"train.{stage}.launch={tc.launch} needs DeepSpeed: pip install deepspeed "
@@ -174,7 +157,7 @@ def run_training(cfg: DictConfig, stage: str, directory: StageDir, tracker: Trac
     env = launch_env(tc.launch) | {WORKER_ERRORS_ENV: str(errors_dir)}
     # Its own session: a Ctrl-C in the terminal reaches the stage only, which stops the workers once.
     # The stage's death (kill -9 too) reaches the reaper at its head, which kills them all.
-    child = subprocess.Popen(accelerate_command(cfg, stage, config_file), env=env, start_new_session=True)
+    child = subprocess.Popen(accelerate_command(cfg, stage, train, config_file), env=env, start_new_session=True)
     received = []
 
     def forward(signum, frame):
@@ -200,22 +183,8 @@ def run_training(cfg: DictConfig, stage: str, directory: StageDir, tracker: Trac
     return json.loads((directory.path / SUMMARY).read_text())
 
 
-def report_error(exc: Exception) -> Exception | None:
-    """In a worker: write ``exc`` where the stage reads it; the user's error it is (its message is the whole
-    story), None for a bug."""
-    exc = user_error(exc) or exc
-    errors_dir = os.environ.get(WORKER_ERRORS_ENV)
-    if errors_dir:
-        rank = int(os.environ.get("RANK", "0"))
-        report = {"rank": rank, "type": f"{type(exc).__module__}.{type(exc).__qualname__}", "message": str(exc),
-                  "user_error": isinstance(exc, USER_ERRORS), "time": time.time()}
-        Path(errors_dir).mkdir(parents=True, exist_ok=True)
-        write_atomic(Path(errors_dir) / f"rank-{rank}.json", json.dumps(report) + "\n")
-    return exc if isinstance(exc, USER_ERRORS) else None
-
-
 def main(argv: list[str]) -> None:
-    """One process of ``accelerate launch``: ``python -m pipeline.training.launch STAGE CONFIG_YAML``."""
+    """One process of ``accelerate launch``: ``python -m pipeline.training.launch MODULE:FUNCTION STAGE CONFIG_YAML``."""
     from accelerate import PartialState
     from accelerate.utils import parse_flag_from_env
 
@@ -228,11 +197,11 @@ def main(argv: list[str]) -> None:
         PartialState(backend="gloo")
     else:
         PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
-    stage, config_file = argv
+    train, stage, config_file = resolve_name(argv[0]), argv[1], argv[2]
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(config_file))
         directory = stage_dir(cfg, stage, check_inputs=False)
-        counts = importlib.import_module(f"pipeline.stages.{stage}").train(cfg, directory, MetricsLog(directory.path / METRICS))
+        counts = train(cfg, directory, MetricsLog(directory.path / METRICS))
     except Exception as exc:
         if (error := report_error(exc)) is None:
             raise

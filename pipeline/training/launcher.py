@@ -18,7 +18,7 @@ import sys
 
 
 def exit_status(exitcode: int) -> str:
-    from pipeline.training.loop import EXIT_PREEMPTED
+    from pipeline.workers import EXIT_PREEMPTED
 
     if exitcode < 0:
         return f"signal {signal.Signals(-exitcode).name}"
@@ -29,7 +29,7 @@ def main() -> None:
     from accelerate.commands.launch import main as accelerate_launch
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from pipeline.training.loop import EXIT_PREEMPTED
+    from pipeline.workers import EXIT_PREEMPTED
 
     # A handler, not SIG_IGN, which the workers would inherit through exec.
     signal.signal(signal.SIGUSR1, lambda signum, frame: None)

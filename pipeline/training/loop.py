@@ -18,13 +18,10 @@ host (gloo) group, and the loss and token counts stay on the device until a logg
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import pickle
 import shutil
-import signal
-import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -45,10 +42,11 @@ from pipeline.models.drafter import make_parallel, save_drafter
 from pipeline.models.provision import ModelNotFoundError
 from pipeline.models.vocab import PARD_TOKEN, VocabMap
 from pipeline.training import parallel_draft
-from pipeline.training.data import IGNORE, Collator, label_coverage, token_counts
+from pipeline.prompts import IGNORE
+from pipeline.training.data import Collator, label_coverage, token_counts
 from pipeline.training.losses import loss_sum
+from pipeline.workers import EXIT_PREEMPTED, preemption_signals
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed after SIGTERM/SIGUSR1; run the same command again to continue
 CHECKPOINTS = "checkpoints"
 STEP_FILE = "step.json"  # written last: a checkpoint without it is incomplete
 
@@ -146,36 +144,6 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path, writer: dict) ->
                f"delete that folder (or set train.{stage}.resume=never) to train this stage from step 0")
         raise ModelNotFoundError(f"checkpoint {checkpoint} is damaged ({type(exc).__name__}: {reason}); {fix}") from exc
     return position
-
-
-@contextlib.contextmanager
-def preemption_signals():
-    """SIGTERM/SIGUSR1 (Slurm preemption) only set a flag: the loop checkpoints at the next step."""
-    received = []
-    handler = lambda signum, frame: received.append(signum)  # noqa: E731
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        yield received
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-@contextlib.contextmanager
-def exit_on_preemption(message: str):
-    """SIGTERM/SIGUSR1 end what it wraps (a whole stage) with exit 75 and ``message``, which says what is kept and
-    that the same command continues; where a stage can stop more gently (the training loop, the eval's decodes,
-    the accelerate workers), its own handler takes over inside. Also a decorator."""
-    def stop(signum, frame):
-        print(f"{message} (stopped by {signal.Signals(signum).name})", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_PREEMPTED)
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 NOTHING = {"labels": IGNORE, "teacher_ids": -1, "teacher_logprobs": float("-inf")}  # per-token targets: "none"

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.config import Loss
-from pipeline.training.data import IGNORE
+from pipeline.prompts import IGNORE
 
 
 def token_losses(logits: torch.Tensor, targets: dict[str, torch.Tensor], loss: Loss) -> torch.Tensor:

@@ -31,34 +31,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import ConfigError, Divergence
+from pipeline.evaluation.teacher_forced import TeacherForced, drafter_log_probs, left_pad, position_ids, score, vocab_on
 from pipeline.models.vocab import VocabMap
+from pipeline.prompts import IGNORE
 from pipeline.speculative.engine import StopCondition
 from pipeline.training import loop
-from pipeline.training.data import IGNORE, Collator, seeded_prompt_ids
-
-SCORE_CHUNK = 64  # drafted positions per pass of the target's full output layer: (64, V) float32 logits at a time
-
+from pipeline.training.data import Collator, seeded_prompt_ids
 
 # ---------------------------------------------------------------- the divergences, exact on a reduced vocabulary
-
-
-def vocab_on(vocab: VocabMap | None, device: torch.device) -> VocabMap | None:
-    """A copy of the map on ``device`` (the caller's stays where its collator uses it)."""
-    return VocabMap(vocab.target_ids, vocab.target_vocab_size).to(device) if vocab is not None else None
-
-
-def drafter_log_probs(logits: torch.Tensor, vocab: VocabMap | None) -> torch.Tensor:
-    """The drafter's log q over what it can propose: a reduced vocabulary's ``unk`` row is never proposed."""
-    if vocab is not None:
-        logits = logits[..., : vocab.unk_id]
-    return torch.log_softmax(logits.float(), dim=-1)
 
 
 def divergence(log_q: torch.Tensor, log_p: torch.Tensor, kind: Divergence) -> torch.Tensor:
@@ -75,39 +61,6 @@ def divergence(log_q: torch.Tensor, log_p: torch.Tensor, kind: Divergence) -> to
     return 0.5 * (inside.sum(-1) + outside * math.log(2))
 
 
-# ---------------------------------------------------------------- the target's scores
-
-
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions of a left-padded batch: each row counts from its first real token."""
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
-
-
-@dataclass
-class TargetScores:
-    log_p: torch.Tensor  # (n, N) the target's log-probabilities of the drafter's ids at the n scored positions
-    argmax: torch.Tensor  # (n,) the target's own top id (any of its vocabulary)
-
-
-@torch.no_grad()
-def score(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, scored: torch.Tensor,
-          vocab: VocabMap | None) -> TargetScores:
-    """The target's distribution at the ``scored`` positions (a (B, L) mask; position t predicts token t + 1)
-    of a left-padded batch of target ids, exactly: its full output layer, at those positions only."""
-    hidden = target.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=position_ids(attention_mask)).last_hidden_state[scored]
-    head, cap = target.get_output_embeddings(), getattr(target.config, "final_logit_softcapping", None)
-    log_p, argmax = [], []
-    for chunk in hidden.split(SCORE_CHUNK):
-        logits = head(chunk).float()
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        logits = logits - logits.logsumexp(-1, keepdim=True)
-        log_p.append(logits[:, vocab.target_ids] if vocab is not None else logits)
-        argmax.append(logits.argmax(-1))
-    return TargetScores(torch.cat(log_p), torch.cat(argmax))
-
-
 def drafter_logits(model, drafter_ids: torch.Tensor, attention_mask: torch.Tensor, first: int) -> torch.Tensor:
     """The drafter's logits at positions ``first - 1`` .. ``L - 2`` (those predicting tokens ``first`` ..)."""
     keep = torch.arange(first - 1, drafter_ids.shape[1] - 1, device=drafter_ids.device)
@@ -122,15 +75,6 @@ def rollout_stop_ids(stop: StopCondition) -> list[int]:
     """Target ids that end a rollout: the answer's end ids, and every token whose text holds a stop string."""
     texts = stop.tokenizer.batch_decode([[i] for i in range(len(stop.tokenizer))])
     return sorted(stop.eos_token_ids | {i for i, text in enumerate(texts) if any(s in text for s in stop.stop_strings)})
-
-
-def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    length = max(len(r) for r in rows)
-    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), length), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, length - len(row):], mask[i, length - len(row):] = row, 1
-    return ids, mask
 
 
 class OnPolicyObjective:
@@ -194,45 +138,6 @@ class OnPolicyObjective:
         return per_position.sum(), drafted_mask.sum(), attention_mask.sum()
 
 
-# ---------------------------------------------------------------- the held-out estimate
-
-
-class HeldOut:
-    """Held-out sequences (prompt + the target's greedy answer) with the target's scores, computed once."""
-
-    def __init__(self, target, vocab: VocabMap | None, examples: list[dict], pad_id: int):
-        rows = [torch.as_tensor(e["input_ids"]) for e in examples]
-        labels = [torch.as_tensor(e["labels"]) for e in examples]
-        device = next(target.parameters()).device
-        vocab = vocab_on(vocab, device)
-        self.input_ids, self.attention_mask = (t.to(device) for t in left_pad(rows, pad_id))
-        scored = torch.zeros_like(self.attention_mask, dtype=torch.bool)
-        for i, row_labels in enumerate(labels):  # position t predicts label t + 1
-            scored[i, scored.shape[1] - len(row_labels): -1] = (row_labels[1:] != IGNORE).to(device)
-        self.scored, self.vocab = scored, vocab
-        self.scores = score(target, self.input_ids, self.attention_mask, scored, vocab)
-
-    def __call__(self, drafter) -> dict:
-        """Teacher-forced T=1 acceptance Σ min(p, q) and T=0 argmax agreement, averaged over answer tokens."""
-        acceptance, agreement = self.per_token(drafter)
-        return {"heldout_t1_acceptance": float(acceptance.mean()), "heldout_t0_agreement": float(agreement.mean())}
-
-    @torch.no_grad()
-    def per_token(self, drafter) -> tuple[torch.Tensor, torch.Tensor]:
-        """Σ_v min(p_v, q_v) and whether the drafter's argmax is the target's, at every answer token."""
-        was_training = drafter.training
-        drafter.eval()
-        ids = self.vocab.encode(self.input_ids) if self.vocab is not None else self.input_ids
-        logits = drafter(input_ids=ids, attention_mask=self.attention_mask,
-                         position_ids=position_ids(self.attention_mask)).logits[self.scored]
-        drafter.train(was_training)
-        log_q = drafter_log_probs(logits, self.vocab)
-        acceptance = torch.minimum(log_q.exp(), self.scores.log_p.exp()).sum(-1)
-        top = log_q.argmax(-1)
-        top = self.vocab.target_ids[top] if self.vocab is not None else top
-        return acceptance, (top == self.scores.argmax).float()
-
-
 # ---------------------------------------------------------------- the phase
 
 
@@ -267,7 +172,7 @@ def align(tc: DictConfig, model, vocab: VocabMap | None, target, examples: list[
     """The alignment phase from ``model`` (the SFT drafter): ``tc.on_policy.rounds`` rounds, checkpointed in
     ``out_dir``, logged as ``on_policy/<metric>`` at steps after ``first_step`` (SFT's last)."""
     pad_id = 0 if pad_id is None else pad_id  # Llama-2 has no pad token: padding is masked, any id serves
-    held_out = HeldOut(target, vocab, heldout, pad_id)
+    held_out = TeacherForced(target, vocab, heldout, pad_id)
     before = held_out(model)
     objective = OnPolicyObjective(tc.on_policy, target, vocab, stop_ids, pad_id, tc.max_length)
     out_dir.mkdir(parents=True, exist_ok=True)

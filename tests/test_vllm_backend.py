@@ -19,8 +19,8 @@ from pipeline.models.drafter import init_drafter, save_drafter
 from pipeline.models.export import VLLM_DIR, export_drafter
 from pipeline.models.vocab import VocabMap
 from pipeline.rundir import stage_dir
-from pipeline.speculative import vllm_engine
-from pipeline.speculative.vllm_engine import Completion, parse_counters, spec_stats
+from pipeline.evaluation import vllm_backend
+from pipeline.evaluation.vllm_backend import Completion, parse_counters, spec_stats
 
 K, PROMPTS, TOKENS = 4, 3, 24
 SMOLLM_VOCAB = 49152
@@ -36,7 +36,7 @@ def no_server(monkeypatch):
     def fail(*a, **kw):
         raise AssertionError("a vLLM server was started before the refusal")
 
-    monkeypatch.setattr("pipeline.speculative.vllm_engine.VLLMServer", fail)
+    monkeypatch.setattr("pipeline.evaluation.vllm_backend.VLLMServer", fail)
 
 
 def refusal(argv: list[str], capsys) -> str:
@@ -137,7 +137,7 @@ def test_greedy_divergence_fails_with_a_clear_margin_and_is_a_tie_without(smollm
         counters["before"]["accepted_per_position"] = [0.0] * 4
         return {blocks[0]: {"generations": generations, "requests": 2, "counters": counters}}
 
-    monkeypatch.setattr(vllm_engine, "target_server", lambda *a: Server())
+    monkeypatch.setattr(vllm_backend, "target_server", lambda *a: Server())
     asked = []
 
     def request(server, path, body=None):
@@ -146,8 +146,8 @@ def test_greedy_divergence_fails_with_a_clear_margin_and_is_a_tie_without(smollm
         asked.append(body["prompt"])
         return {"choices": [{"logprobs": {"top_logprobs": [{"token_id:3": -0.5, "token_id:4": -0.5 - top2_gap}]}}]}
 
-    monkeypatch.setattr(vllm_engine, "request", request)
-    monkeypatch.setattr(vllm_engine, "decode_all", decode_all)
+    monkeypatch.setattr(vllm_backend, "request", request)
+    monkeypatch.setattr(vllm_backend, "decode_all", decode_all)
     clear_margin = top2_gap > 0.5  # the default eval.tie_tolerance
     assert cli.main(args(runs_dir, smollm_path, "eval.temperatures=[0]", "eval.num_prompts=2")) == (2 if clear_margin else 0)
     out = next(runs_dir.glob("**/eval-vllm"))
@@ -220,7 +220,7 @@ def reduced_drafted(smollm_path, tmp_path_factory):
     config: the export of the same finetune is still the one used."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline.evaluation import heldout_prompts
+    from pipeline.evaluation.heldout import heldout_prompts
     from pipeline.prompts import prompt_ids
     from pipeline.models.export import EXPORT_FOLDER as FOLDER
     from tests.test_engine import reduced_copy
@@ -271,7 +271,7 @@ def test_sliding_window_target_keeps_its_outputs_with_one_kv_cache_group(gemma_p
     drafter through its export, in float32: exact greedy outputs. The speculative server runs with
     --disable-hybrid-kv-cache-manager; without it vLLM 0.32's drafter wrote its KV cache into the target's blocks and
     the outputs changed (pipeline/models/export.py: sliding_window_target)."""
-    from pipeline.evaluation import heldout_prompts
+    from pipeline.evaluation.heldout import heldout_prompts
     from pipeline.models.export import SINGLE_KV_GROUP
     from pipeline.prompts import prompt_ids
 
