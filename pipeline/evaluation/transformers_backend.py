@@ -178,23 +178,16 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
 
 
 def evaluate(cfg: DictConfig, directory, tracker, device: torch.device, processes: int) -> dict:
-    """The stage on ``processes`` processes, this one decoding the first share on ``device``."""
-    ev = cfg.eval
+    """The stage on ``processes`` processes, this one decoding the first share on ``device``: load, measure what
+    no session has measured yet, then aggregate every row into metrics.json and report.md."""
+    ev, path = cfg.eval, directory.path
     target_path = model_path(cfg.target, cfg.paths.models_dir)
     drafter_path = ev.drafter_path or str(directory.inputs["finetune"].path / "drafter")
     drafter_model, vocab_map, router_drafters, tokenizer, prompts = load_inputs(cfg, drafter_path, device)
-
-    path = directory.path
     merge_shards(path, prompts.keys(schedule(cfg, prompts)))  # what the processes of a killed session left
     rows = read_rows(path)
     progress = json.loads((path / PROGRESS).read_text()) if (path / PROGRESS).exists() else {"sessions": []}
-    session = len(progress["sessions"])
-    if "target_dtype" in progress or progress["sessions"]:  # an earlier session's rows: its dtype, or the recipe's
-        progress.setdefault("target_dtype", {"chosen": canonical_dtype(cfg.target.dtype)})
-        target_model = load_model(target_path, progress["target_dtype"]["chosen"], device)
-    else:
-        progress["target_dtype"], target_model = choose_target_dtype(cfg, target_path, device, prompts.first_ids)
-    target_dtype = progress["target_dtype"]["chosen"]
+    target_model = load_target(cfg, target_path, device, prompts, progress)
     decoders = Decoders(cfg, target_model, drafter_model, vocab_map, tokenizer, router_drafters, device)
     decoders.k_choice = progress.get("k_choice", {})
 
@@ -202,58 +195,20 @@ def evaluate(cfg: DictConfig, directory, tracker, device: torch.device, processe
     todo = decodes_left(blocks, prompts, rows)
     if rows:
         print(f"eval: resuming: {sum(len(v) * len(prompts.by_pair[p]) for _, p, _, v in blocks) - todo} decodes "
-              f"already measured in {session} earlier session(s) of {path / SAMPLES}", flush=True)
-
+              f"already measured in {len(progress['sessions'])} earlier session(s) of {path / SAMPLES}", flush=True)
     with preemption_signals() as received:
         if todo:
-            pilot = warm_up(cfg, decoders, prompts.first_ids)  # their τ chooses K
-            if "costs" not in progress:  # after the warm-up: a cold GPU measures allocation, not steps
-                ks = sorted({ev.num_draft_tokens, *ev.k_sweep})
-                progress["costs"] = step_costs(decoders.target, decoders.drafter.lm, prompts.first_ids, ks)
-                if ev.choose_k:
-                    progress["k_choice"] = choose_ks(cfg, pilot, step_costs_of(progress), device)
-                    decoders.k_choice = progress["k_choice"]
-            progress["sessions"].append({"started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                         "host": socket.gethostname(), "device": str(device), "processes": processes})
-            write_atomic(path / PROGRESS, json.dumps(progress, indent=2) + "\n")
-            costs = step_costs_of(progress)
-            print(f"eval: {cost_line(costs)}; target and drafter in {target_dtype}; {processes} process(es)", flush=True)
-            for t_key, by_method in decoders.k_choice.items():
-                print(f"eval: K at {t_key}: " + ", ".join(f"{m} {c['k']} (τ {c['tau'][c['k']]:.2f})"
-                                                          for m, c in by_method.items()), flush=True)
-                for choice in by_method.values():
-                    if "no_k_pays" in choice:
-                        print(f"eval: {t_key} {choice['no_k_pays']}", flush=True)
-            blocks = plan(cfg, decoders, prompts)
-            workers = Workers(cfg, drafter_path, path, processes, session, device) if processes > 1 else None
-            rows = decode(cfg, decoders, prompts, blocks, rows, session, path, received, workers)
+            start_session(cfg, decoders, prompts, progress, path, processes)
+            blocks = plan(cfg, decoders, prompts)  # with the K just chosen
+            workers = (Workers(cfg, drafter_path, path, processes, len(progress["sessions"]) - 1, device)
+                       if processes > 1 else None)
+            rows = decode(cfg, decoders, prompts, blocks, rows, len(progress["sessions"]) - 1, path, received, workers)
 
     costs = step_costs_of(progress)
-    results, gate = {}, GreedyGate(tie_tolerance(target_dtype, ev.tie_tolerance))
-    for t, pair, seed, variants in blocks:
-        block_rows = [rows[pair, t, seed, example.id] for example, _ in prompts.by_pair[pair]]
-        outputs = {name: [generation_of(row["methods"][name]) for row in block_rows] for name, _, _ in variants}
-        stats = seed_stats(outputs, variants, costs)
-        results.setdefault(pair, {}).setdefault(f"T={t}", {"seeds": {}})["seeds"][seed] = stats
-        tracker.log({f"{pair}/T{t}/{name}/{key}": value for name, s in stats.items()
-                     for key, value in s.items() if key in SUMMARY_KEYS})
-        if t == 0:
-            for row in block_rows:
-                reference, ids = row["methods"]["target"]["token_ids"], prompts.token_ids[row["prompt"]]
-                for name, method, _ in variants:
-                    if method in EXACT_AT_T0:
-                        gate.check({"lang": pair, "id": row["id"], "method": name}, reference,
-                                   row["methods"][name]["token_ids"],
-                                   lambda position: top2_gap(target_model, ids, reference[:position]))
-    for pair, by_t in results.items():
-        for t, result in by_t.items():
-            result["summary"] = summarize(result["seeds"])
-            print(f"eval {pair} {t}: " + ", ".join(f"{name} {s['speedup']['mean']:.2f}x"
-                                                   for name, s in result["summary"].items()), flush=True)
-
+    results, gate = aggregate(cfg, decoders, prompts, blocks, rows, costs, progress["target_dtype"]["chosen"], tracker)
     metrics = {
         "target": target_path,
-        "target_dtype": target_dtype,
+        "target_dtype": progress["target_dtype"]["chosen"],
         "target_dtype_choice": progress["target_dtype"],
         "drafter": drafter_path,
         "drafter_dtype": str(decoders.drafter_model.dtype).removeprefix("torch."),
@@ -279,6 +234,70 @@ def evaluate(cfg: DictConfig, directory, tracker, device: torch.device, processe
     gate.enforce("greedy outputs differ from the target's own", path)
     return {"prompts": sum(len(p) for p in prompts.by_pair.values()), "languages": len(prompts.pairs),
             "greedy_mismatches": 0, "greedy_ties": len(gate.ties), "sessions": len(progress["sessions"])}
+
+
+def load_target(cfg: DictConfig, target_path: str, device: torch.device, prompts: Prompts, progress: dict):
+    """The target in the dtype every method decodes it in: an earlier session's (its rows were measured in it, or
+    in the recipe's before the choice was recorded), else the one measured fastest here (``choose_target_dtype``)."""
+    if "target_dtype" in progress or progress["sessions"]:
+        progress.setdefault("target_dtype", {"chosen": canonical_dtype(cfg.target.dtype)})
+        return load_model(target_path, progress["target_dtype"]["chosen"], device)
+    progress["target_dtype"], target_model = choose_target_dtype(cfg, target_path, device, prompts.first_ids)
+    return target_model
+
+
+def start_session(cfg: DictConfig, decoders: Decoders, prompts: Prompts, progress: dict, path: Path,
+                  processes: int) -> None:
+    """Warm up; on the first session measure the step costs and choose K (both after the warm-up: a cold GPU
+    measures allocation, not steps); record the session in progress.json, durable, before any decode."""
+    ev = cfg.eval
+    pilot = warm_up(cfg, decoders, prompts.first_ids)  # their τ chooses K
+    if "costs" not in progress:
+        ks = sorted({ev.num_draft_tokens, *ev.k_sweep})
+        progress["costs"] = step_costs(decoders.target, decoders.drafter.lm, prompts.first_ids, ks)
+        if ev.choose_k:
+            progress["k_choice"] = choose_ks(cfg, pilot, step_costs_of(progress), decoders.device)
+            decoders.k_choice = progress["k_choice"]
+    progress["sessions"].append({"started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
+                                 "device": str(decoders.device), "processes": processes})
+    write_atomic(path / PROGRESS, json.dumps(progress, indent=2) + "\n")
+    print(f"eval: {cost_line(step_costs_of(progress))}; target and drafter in {progress['target_dtype']['chosen']}; "
+          f"{processes} process(es)", flush=True)
+    for t_key, by_method in decoders.k_choice.items():
+        print(f"eval: K at {t_key}: " + ", ".join(f"{m} {c['k']} (τ {c['tau'][c['k']]:.2f})"
+                                                  for m, c in by_method.items()), flush=True)
+        for choice in by_method.values():
+            if "no_k_pays" in choice:
+                print(f"eval: {t_key} {choice['no_k_pays']}", flush=True)
+
+
+def aggregate(cfg: DictConfig, decoders: Decoders, prompts: Prompts, blocks: list, rows: dict, costs: dict,
+              target_dtype: str, tracker) -> tuple[dict, GreedyGate]:
+    """Every block's rows into per-seed statistics and their summary over seeds (pair -> "T=<t>" -> ...), and the
+    greedy gate over every T=0 output that must be the target's."""
+    gate = GreedyGate(tie_tolerance(target_dtype, cfg.eval.tie_tolerance))
+    results = {}
+    for t, pair, seed, variants in blocks:
+        block_rows = [rows[pair, t, seed, example.id] for example, _ in prompts.by_pair[pair]]
+        outputs = {name: [generation_of(row["methods"][name]) for row in block_rows] for name, _, _ in variants}
+        stats = seed_stats(outputs, variants, costs)
+        results.setdefault(pair, {}).setdefault(f"T={t}", {"seeds": {}})["seeds"][seed] = stats
+        tracker.log({f"{pair}/T{t}/{name}/{key}": value for name, s in stats.items()
+                     for key, value in s.items() if key in SUMMARY_KEYS})
+        if t == 0:
+            for row in block_rows:
+                reference, ids = row["methods"]["target"]["token_ids"], prompts.token_ids[row["prompt"]]
+                for name, method, _ in variants:
+                    if method in EXACT_AT_T0:
+                        gate.check({"lang": pair, "id": row["id"], "method": name}, reference,
+                                   row["methods"][name]["token_ids"],
+                                   lambda position: top2_gap(decoders.target_model, ids, reference[:position]))
+    for pair, by_t in results.items():
+        for t, result in by_t.items():
+            result["summary"] = summarize(result["seeds"])
+            print(f"eval {pair} {t}: " + ", ".join(f"{name} {s['speedup']['mean']:.2f}x"
+                                                   for name, s in result["summary"].items()), flush=True)
+    return results, gate
 
 
 def eval_processes(ev: DictConfig, device: torch.device) -> int:

@@ -180,6 +180,56 @@ def supervised_objective(loss: Loss) -> Callable:
     return objective
 
 
+def plan_steps(tc: DictConfig, examples: int, world: int) -> tuple[int, int, int]:
+    """(examples per micro-batch on each process, optimizer steps per epoch, steps in all): ``tc.batch_size`` is
+    the global batch, split over ``grad_accum`` micro-batches and ``world`` processes; the run ends at
+    ``max_steps`` (else ``epochs``), capped by ``token_budget``."""
+    if tc.batch_size % (tc.grad_accum * world):
+        raise ConfigError(
+            f"batch_size {tc.batch_size} is the global batch: it must be divisible by grad_accum x processes "
+            f"({tc.grad_accum} x {world})"
+        )
+    local_batch = tc.batch_size // tc.grad_accum // world
+    steps_per_epoch = examples // tc.batch_size
+    if steps_per_epoch == 0:
+        raise ConfigError(f"{examples} training examples do not fill one batch of {tc.batch_size}; lower batch_size")
+    total_steps = tc.max_steps or math.ceil(tc.epochs * steps_per_epoch)
+    if tc.token_budget is not None:
+        total_steps = min(total_steps, max(1, tc.token_budget // (tc.batch_size * tc.max_length)))
+    return local_batch, steps_per_epoch, total_steps
+
+
+def resume(tc: DictConfig, accelerator: Accelerator, scheduler, out_dir: Path, writer: dict,
+           total_steps: int) -> tuple[int, int, float]:
+    """(step, tokens seen, last loss) to continue from: the latest checkpoint's with ``resume=auto`` (weights,
+    optimizer and the schedule's position restored), else the start."""
+    checkpoint = latest_checkpoint(out_dir) if tc.resume == "auto" else None
+    if checkpoint is None:
+        return 0, 0, float("nan")
+    position = load_checkpoint(accelerator, checkpoint, writer)
+    scheduler.last_epoch = position["step"] - 1
+    with warnings.catch_warnings():  # "step() before optimizer.step()": the optimizer stepped before the save
+        warnings.simplefilter("ignore", UserWarning)
+        scheduler.step()
+    accelerator.print(f"resuming from {checkpoint} (step {position['step']} of {total_steps})")
+    return position["step"], position["tokens_seen"], position["loss"]
+
+
+def preemption_vote(world: int) -> Callable[[list], bool]:
+    """Whether any process got a preemption signal: agreed on the host (gloo), so the step never waits for the
+    device, as a reduce of a CUDA tensor read back with .item() would."""
+    group = torch.distributed.new_group(backend="gloo") if world > 1 else None
+
+    def preempted(received: list) -> bool:
+        if group is None:
+            return bool(received)
+        flag = torch.tensor([len(received)])
+        torch.distributed.all_reduce(flag, group=group)
+        return bool(flag[0])
+
+    return preempted
+
+
 def train(
     tc: DictConfig,
     model: torch.nn.Module,
@@ -199,21 +249,7 @@ def train(
     accelerator = Accelerator(mixed_precision=tc.mixed_precision, gradient_accumulation_steps=tc.grad_accum)
     objective = objective or supervised_objective(Loss(tc.get("loss", Loss.ce)))  # pretraining has no KD option
     world = accelerator.num_processes
-    if tc.batch_size % (tc.grad_accum * world):
-        raise ConfigError(
-            f"batch_size {tc.batch_size} is the global batch: it must be divisible by grad_accum x processes "
-            f"({tc.grad_accum} x {world})"
-        )
-    micro_batch = tc.batch_size // tc.grad_accum  # global, split across processes
-    local_batch = micro_batch // world
-    steps_per_epoch = len(examples) // tc.batch_size
-    if steps_per_epoch == 0:
-        raise ConfigError(f"{len(examples)} training examples do not fill one batch of {tc.batch_size}; lower batch_size")
-    total_steps = tc.max_steps or math.ceil(tc.epochs * steps_per_epoch)
-    tokens_per_step = tc.batch_size * tc.max_length
-    if tc.token_budget is not None:
-        total_steps = min(total_steps, max(1, tc.token_budget // tokens_per_step))
-
+    local_batch, steps_per_epoch, total_steps = plan_steps(tc, len(examples), world)
     if accelerator.state.deepspeed_plugin is not None:  # DeepSpeed sizes its buffers by batch; it sees no DataLoader
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = local_batch
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, fused=True)
@@ -222,19 +258,9 @@ def train(
     # Not checkpointed either: accelerate pickles registered objects and loads them with weights_only=False (a
     # crafted checkpoint would run code on resume); the schedule is a function of the step, rebuilt from step.json.
     scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(tc.warmup_ratio * total_steps), total_steps)
-
-    step, tokens_before, last_loss = 0, 0, float("nan")
     # How the checkpoints are written: whether they can be resumed by another launch (check_resumable).
     writer = {"processes": world, "deepspeed": accelerator.state.deepspeed_plugin is not None, "launch": tc.launch}
-    checkpoint = latest_checkpoint(out_dir) if tc.resume == "auto" else None
-    if checkpoint is not None:
-        position = load_checkpoint(accelerator, checkpoint, writer)
-        step, tokens_before, last_loss = position["step"], position["tokens_seen"], position["loss"]
-        scheduler.last_epoch = step - 1
-        with warnings.catch_warnings():  # "step() before optimizer.step()": the optimizer stepped before the save
-            warnings.simplefilter("ignore", UserWarning)
-            scheduler.step()
-        accelerator.print(f"resuming from {checkpoint} (step {step} of {total_steps})")
+    step, tokens_before, last_loss = resume(tc, accelerator, scheduler, out_dir, writer, total_steps)
 
     pinned = accelerator.device.type == "cuda"
 
@@ -248,17 +274,7 @@ def train(
             yield from DataLoader(examples, batch_size=local_batch, sampler=mine, collate_fn=collate, pin_memory=pinned)
             epoch, skip = epoch + 1, 0
 
-    stop_group = torch.distributed.new_group(backend="gloo") if world > 1 else None
-
-    def preempted(received: list) -> bool:
-        """Whether any process got a preemption signal: agreed on the host (gloo), so the step never waits
-        for the device, as a reduce of a CUDA tensor read back with .item() would."""
-        if stop_group is None:
-            return bool(received)
-        flag = torch.tensor([len(received)])
-        torch.distributed.all_reduce(flag, group=stop_group)
-        return bool(flag[0])
-
+    preempted = preemption_vote(world)
     model.train()
     # since the last log: loss sum, labels, inputs, then (loss sum, labels) of each of the objective's parts
     parts = getattr(objective, "part_names", ())
