@@ -213,13 +213,55 @@ def _jobs(examples: list[Example], done: dict[Key, dict], cfg: DictConfig, lang:
     return keys, jobs
 
 
+@dataclass
+class Plan:
+    """The training prompts (this shard's, plus the usable back-translations) and their records: every key, and a
+    job for each key not yet answered."""
+
+    examples: list[Example]
+    keys: list[Key]
+    jobs: list[Job]
+    rejected: Counter  # back-translations left out, by reason
+
+
+def training_plan(cfg: DictConfig, train: list[Example], heldout: list[Example], path: Path, revision: str,
+                  tokenizer) -> Plan:
+    """The plan as the records on disk stand now (the back-translations answered so far add prompts)."""
+    added, rejected = [], Counter()
+    if cfg.data.back_translation:
+        added, rejected = back_translation.new_sources(list(load_records(path / BACK_TRANSLATIONS_DIR).values()), cfg,
+                                                       {ex.id for ex in train + heldout})
+    examples = train + added
+    keys, jobs = _jobs(examples, load_records(path / RECORDS_DIR, revision), cfg, cfg.lang, tokenizer,
+                       cfg.distill.temperatures)
+    return Plan(examples, keys, jobs, rejected)
+
+
+def check_complete(cfg: DictConfig, path: Path, failed: Counter, missing: int, expected: int, aborted: str | None) -> None:
+    """End the stage incomplete, in one line naming the command that resumes it, when the run was cut short
+    (``aborted``: why), a request failed in a way a retry may mend, or more records are missing than
+    distill.max_failed_share allows."""
+    transient = {cause: n for cause, n in failed.items() if is_transient(cause)}
+    if aborted or transient:
+        reason = aborted or f"{sum(transient.values())} requests failed ({', '.join(transient)})"
+        raise DistillIncompleteError(f"{reason}; {missing} records missing "
+                                     f"(see {path / FAILURES_FILE}); rerun `{make_command(cfg, 'distill', shard_args(cfg))}` "
+                                     "to resume")
+    if missing > cfg.distill.max_failed_share * expected:
+        causes = ", ".join(f"{cause} ×{n}" for cause, n in failed.items())
+        raise DistillIncompleteError(
+            f"{missing} of {expected} records missing after requests the server rejected ({causes}), more than "
+            f"distill.max_failed_share={cfg.distill.max_failed_share:g}: see why in {path / FAILURES_FILE}, fix it and "
+            f"rerun `{make_command(cfg, 'distill', shard_args(cfg))}` (it asks only the missing ones), or allow the gap with "
+            f"distill.max_failed_share")
+
+
 def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
     folder = model_path(cfg.target, cfg.paths.models_dir)
     # recorded per record, compared on resume: the fingerprint of the stage's hash (a hub commit, not "main")
     revision = model_fingerprint(cfg.target, cfg.paths.models_dir)
     check_model_folder(folder)
     tokenizer = load_tokenizer(folder)
-    stop_ids = stop_token_ids(cfg.target, tokenizer)
     train, heldout = load_sources(cfg)  # held-out prompts are never distilled
     num_shards, shard = cfg.distill.num_shards, cfg.distill.shard
     if num_shards > 1:  # this job's slice of the training prompts
@@ -235,23 +277,13 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
         reverse_dir.mkdir(exist_ok=True)
         reverse_keys, reverse_jobs = _jobs(back_translation.segments(cfg), load_records(reverse_dir, revision), cfg,
                                            reverse_lang, tokenizer, [0.0], back_translation.shots(cfg.lang))
-
-    def training_jobs() -> tuple[list[Example], list[Key], list[Job], Counter]:
-        added, rejected = [], Counter()
-        if cfg.data.back_translation:
-            added, rejected = back_translation.new_sources(list(load_records(reverse_dir).values()), cfg,
-                                                           {ex.id for ex in train + heldout})
-        examples = train + added
-        return (examples, *_jobs(examples, load_records(records_dir, revision), cfg, cfg.lang, tokenizer,
-                                 cfg.distill.temperatures), rejected)
-
-    examples, keys, jobs, _ = training_jobs()
+    plan = training_plan(cfg, train, heldout, path, revision, tokenizer)
     print(f"distill {cfg.lang.pair}" + (f" shard {shard} of {num_shards}" if num_shards > 1 else "") +
           f": {len(train)} prompts" +
           (f" + back-translations of {len(reverse_keys)} {cfg.lang.tgt_name} segments ({len(reverse_jobs)} to do)"
            if reverse_keys else "") +
           f" x {len(cfg.distill.temperatures)} temperatures x {cfg.distill.samples_per_prompt} samples, "
-          f"{len(keys) - len(jobs)} records already done")
+          f"{len(plan.keys) - len(plan.jobs)} records already done")
 
     stats, reverse_stats = RunStats(), RunStats()
     elapsed = 0.0
@@ -259,7 +291,7 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
     # an external endpoint's replicas are the user's to state (data_parallel=N): auto counts this machine's GPUs
     replicas = 1 if launch.url and launch.data_parallel == "auto" else data_parallel_size(launch)
     concurrency = cfg.distill.concurrency_per_replica * replicas
-    if jobs or reverse_jobs:
+    if plan.jobs or reverse_jobs:
         out = BackgroundJsonl(records_dir / f"attempt-{len(list(records_dir.glob('*.jsonl'))):03d}.jsonl")
         reverse_out = BackgroundJsonl(reverse_dir / f"attempt-{len(list(reverse_dir.glob('*.jsonl'))):03d}.jsonl")
         failures = BackgroundJsonl(path / FAILURES_FILE)
@@ -271,32 +303,33 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
                     api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"))
                 print(f"distill: {concurrency} requests in flight over {replicas} server replica(s)", flush=True)
 
-                def run_jobs(jobs: list[Job], out: BackgroundJsonl, progress: tqdm, metric: str) -> RunStats:
-                    client = TargetClient(endpoint, stop=stop_strings(cfg.target), stop_token_ids=stop_ids,
-                                          max_tokens=cfg.distill.max_tokens, top_p=cfg.eval.top_p, top_k=cfg.eval.top_k,
-                                          top_logprobs=cfg.distill.top_logprobs, timeout_s=cfg.distill.request_timeout_s,
+                def run_jobs(jobs: list[Job], out: BackgroundJsonl, total: int, desc: str, metric: str) -> RunStats:
+                    # a client per run: its connections belong to the event loop asyncio.run makes
+                    client = TargetClient(endpoint, stop=stop_strings(cfg.target),
+                                          stop_token_ids=stop_token_ids(cfg.target, tokenizer),
+                                          max_tokens=cfg.distill.max_tokens, top_p=cfg.eval.top_p,
+                                          top_k=cfg.eval.top_k, top_logprobs=cfg.distill.top_logprobs,
+                                          timeout_s=cfg.distill.request_timeout_s,
                                           max_retries=cfg.distill.max_retries, model=cfg.target.name,
                                           connections=concurrency)
-                    return asyncio.run(distill(jobs, client, out, failures, cfg, revision, server, concurrency,
-                                               progress, tracker, metric))
+                    with tqdm(total=total, initial=total - len(jobs), desc=desc, unit="rec") as progress:
+                        return asyncio.run(distill(jobs, client, out, failures, cfg, revision, server, concurrency,
+                                                   progress, tracker, metric))
 
                 started = time.monotonic()
                 if reverse_jobs:
-                    with tqdm(total=len(reverse_keys), initial=len(reverse_keys) - len(reverse_jobs),
-                              desc=f"back-translate {reverse_lang.pair}", unit="rec") as progress:
-                        reverse_stats = run_jobs(reverse_jobs, reverse_out, progress, "back_translation")
-                    examples, keys, jobs, _ = training_jobs()
+                    reverse_stats = run_jobs(reverse_jobs, reverse_out, len(reverse_keys),
+                                             f"back-translate {reverse_lang.pair}", "back_translation")
+                    plan = training_plan(cfg, train, heldout, path, revision, tokenizer)  # with what they added
                 if not reverse_stats.aborted:
-                    with tqdm(total=len(keys), initial=len(keys) - len(jobs), desc=f"distill {cfg.lang.pair}",
-                              unit="rec") as progress:
-                        stats = run_jobs(jobs, out, progress, "distill")
+                    stats = run_jobs(plan.jobs, out, len(plan.keys), f"distill {cfg.lang.pair}", "distill")
                 elapsed = time.monotonic() - started
         finally:  # every answered record onto the disk, also when a signal or an error ends the run
             for writer in (out, reverse_out, failures):
                 writer.close()
 
     done = load_records(records_dir)
-    examples, keys, _, rejected = training_jobs()
+    keys, rejected = plan.keys, plan.rejected
     reverse_done = load_records(reverse_dir) if reverse_keys else {}
     new_tokens = stats.completion_tokens + reverse_stats.completion_tokens
     failed = stats.failures + reverse_stats.failures
@@ -318,8 +351,9 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
         summary["shard"] = {"shard": shard, "num_shards": num_shards, "prompts": len(train)}
     if reverse_keys:
         summary["back_translation"] = {
-            "segments": len(reverse_keys), "answered": len(reverse_done), "prompts_added": len(examples) - len(train),
-            "rejected": dict(rejected), "completion_tokens": sum(r["completion_tokens"] for r in reverse_done.values()),
+            "segments": len(reverse_keys), "answered": len(reverse_done),
+            "prompts_added": len(plan.examples) - len(train), "rejected": dict(rejected),
+            "completion_tokens": sum(r["completion_tokens"] for r in reverse_done.values()),
         }
     write_atomic(path / STATS_FILE, json.dumps(summary, indent=2) + "\n")
     nested = ("failures", "back_translation", "server", "shard")
@@ -333,20 +367,7 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
         print(f"back-translation: {bt['prompts_added']} {cfg.lang.src_name} prompts from {bt['answered']}/"
               f"{bt['segments']} answered segments (rejected: {dict(rejected) or 'none'}) -> {reverse_dir}")
 
-    transient = {cause: n for cause, n in failed.items() if is_transient(cause)}
     missing = len(keys) - len(done) + len(reverse_keys) - len(reverse_done)
-    if stats.aborted or reverse_stats.aborted or transient:
-        reason = stats.aborted or reverse_stats.aborted or f"{sum(transient.values())} requests failed ({', '.join(transient)})"
-        raise DistillIncompleteError(f"{reason}; {missing} records missing "
-                                     f"(see {path / FAILURES_FILE}); rerun `{make_command(cfg, 'distill', shard_args(cfg))}` "
-                                     "to resume")
-    expected = len(keys) + len(reverse_keys)
-    if missing > cfg.distill.max_failed_share * expected:
-        causes = ", ".join(f"{cause} ×{n}" for cause, n in failed.items())
-        raise DistillIncompleteError(
-            f"{missing} of {expected} records missing after requests the server rejected ({causes}), more than "
-            f"distill.max_failed_share={cfg.distill.max_failed_share:g}: see why in {path / FAILURES_FILE}, fix it and "
-            f"rerun `{make_command(cfg, 'distill', shard_args(cfg))}` (it asks only the missing ones), or allow the gap with "
-            f"distill.max_failed_share")
+    check_complete(cfg, path, failed, missing, len(keys) + len(reverse_keys), stats.aborted or reverse_stats.aborted)
     return {"records": len(done), "completion_tokens": summary["completion_tokens"],
             "failed_requests": len(keys) - len(done), "served_dtype": summary["server"]["dtype"]}
