@@ -139,6 +139,44 @@ def run_methods(methods: dict, prompts: list[torch.Tensor]) -> dict:
     return outputs
 
 
+def build_drafters(cfg, target_model, tokenizer, skipped: tuple, finetuned_folder: Path, target_path: str,
+                   device: torch.device) -> dict:
+    """name -> (drafter model, its vocab map or None): the layer-skip drafter, the whole target with a reduced
+    head, and the finetune stage's drafter (as it is and as a full-vocabulary copy) where it exists."""
+    train_prompts = [build_prompt(cfg.target, cfg.lang, ex.src, tokenizer) for ex in load_sources(cfg)[0]]
+    counts = token_counts(tokenizer, target_model.config.vocab_size, train_prompts)
+    vocab_map = VocabMap.most_frequent(counts, REDUCED_VOCAB, always=tokenizer.all_special_ids).to(device)
+    layers = target_model.config.num_hidden_layers
+    drafters = {
+        "speculative": (layer_skip_drafter(target_model, tuple(i for i in range(layers) if i not in skipped)), None),
+        "speculative_reduced_head": (layer_skip_drafter(target_model, tuple(range(layers)), vocab_map), vocab_map),
+    }
+    if finetuned_folder.is_dir():
+        finetuned, finetuned_map = load_drafter(str(finetuned_folder), target_path, device=device)
+        drafters["speculative_finetuned"] = (finetuned, finetuned_map)
+        drafters["speculative_finetuned_full_vocab"] = (full_vocabulary_copy(finetuned, finetuned_map), None)
+    return drafters
+
+
+def method_table(outputs: dict, drafters: dict, target: CachedModel, first_prompt: torch.Tensor) -> dict:
+    """Every method's statistics and speedup over the target alone at its temperature; for each drafter its
+    costs c, v(K), whether its greedy tokens are the target's, and the speedups its α and τ predict."""
+    stats = {name: method_stats(gens) for name, gens in outputs.items()}
+    for name in stats:
+        stats[name]["speedup"] = speedup(stats[name], stats[at_t1("target") if name.endswith("_t1") else "target"])
+    for name, (model, vmap) in drafters.items():
+        costs = step_costs(target, CachedModel(model, vmap), first_prompt, [K])
+        c, v = costs["c"], costs["v"][K]
+        stats[name]["greedy_token_exact"] = all(g.tokens == t.tokens for g, t in zip(outputs[name], outputs["target"]))
+        for method in (name, at_t1(name)):
+            row = stats[method]
+            row |= {"c": c, "v": v, "speedup_predicted": predicted_speedup(row["alpha"], K, c, v),
+                    "alpha_from_tau": alpha_from_tau(row["tau"], K)}
+            row["speedup_predicted_from_tau"] = predicted_speedup(row["alpha_from_tau"], K, c, v)
+            row["measured_over_predicted_from_tau"] = row["speedup"] / row["speedup_predicted_from_tau"]
+    return stats
+
+
 def main(out_dir: Path, settings: BenchSettings) -> dict:
     torch.manual_seed(0)
     cfg = settings.config()
@@ -148,24 +186,11 @@ def main(out_dir: Path, settings: BenchSettings) -> dict:
     target_model = load_model(target_path, cfg.target.dtype, device)
     target = CachedModel(target_model)
     stop = stop_condition(cfg.target, tokenizer, target_model)
-    train = load_sources(cfg)[0]
     prompts = heldout_prompts(cfg, tokenizer, device, NUM_PROMPTS)
     greedy = Sampling(0.0)
     finetuned_folder = stage_dir(cfg, "finetune", check_inputs=False).path / "drafter"
-
-    train_prompts = [build_prompt(cfg.target, cfg.lang, ex.src, tokenizer) for ex in train]
-    counts = token_counts(tokenizer, target_model.config.vocab_size, train_prompts)
-    vocab_map = VocabMap.most_frequent(counts, REDUCED_VOCAB, always=tokenizer.all_special_ids).to(device)
     skipped = skipped_layers(target_model.config.num_hidden_layers)
-    keep = tuple(i for i in range(target_model.config.num_hidden_layers) if i not in skipped)
-    layer_skip = layer_skip_drafter(target_model, keep)
-    drafters = {"speculative": (layer_skip, None),
-                "speculative_reduced_head": (layer_skip_drafter(target_model, tuple(range(target_model.config.num_hidden_layers)), vocab_map),
-                                             vocab_map)}
-    if finetuned_folder.is_dir():
-        finetuned, finetuned_map = load_drafter(str(finetuned_folder), target_path, device=device)
-        drafters["speculative_finetuned"] = (finetuned, finetuned_map)
-        drafters["speculative_finetuned_full_vocab"] = (full_vocabulary_copy(finetuned, finetuned_map), None)
+    drafters = build_drafters(cfg, target_model, tokenizer, skipped, finetuned_folder, target_path, device)
 
     def ours(model, vmap, sampling=greedy):
         drafter = model_drafter(model, vmap) if model is not None else None
@@ -185,19 +210,7 @@ def main(out_dir: Path, settings: BenchSettings) -> dict:
     methods |= {at_t1(name): ours(model, vmap, sampled) for name, (model, vmap) in {"target": (None, None), **drafters}.items()}
     outputs = run_methods(methods, prompts)
 
-    stats = {name: method_stats(gens) for name, gens in outputs.items()}
-    for name in stats:
-        stats[name]["speedup"] = speedup(stats[name], stats[at_t1("target") if name.endswith("_t1") else "target"])
-    for name, (model, vmap) in drafters.items():
-        costs = step_costs(target, CachedModel(model, vmap), prompts[0], [K])
-        stats[name]["greedy_token_exact"] = all(g.tokens == t.tokens for g, t in zip(outputs[name], outputs["target"]))
-        for method in (name, at_t1(name)):
-            stats[method] |= {"c": costs["c"], "v": costs["v"][K]}
-            stats[method]["speedup_predicted"] = predicted_speedup(stats[method]["alpha"], K, costs["c"], costs["v"][K])
-            stats[method]["alpha_from_tau"] = alpha_from_tau(stats[method]["tau"], K)
-            stats[method]["speedup_predicted_from_tau"] = predicted_speedup(stats[method]["alpha_from_tau"], K, costs["c"],
-                                                                            costs["v"][K])
-            stats[method]["measured_over_predicted_from_tau"] = stats[method]["speedup"] / stats[method]["speedup_predicted_from_tau"]
+    stats = method_table(outputs, drafters, target, prompts[0])
     headline = stats["speculative"]
     headline_t1 = stats[at_t1(HEADLINE_T1)]
     result = {
