@@ -94,7 +94,7 @@ def accelerate_command(cfg: DictConfig, stage: str, train: Callable, config_file
     return [
         # the reaper kills the launcher and its workers if the stage dies (kill -9): no trainer left behind
         sys.executable, "-m", "pipeline.reaper", str(stage_pid or os.getpid()),
-        sys.executable, "-m", "pipeline.training.launcher",  # accelerate launch, less its traceback
+        sys.executable, "-m", "pipeline.training.accelerate_launch",  # accelerate launch, less its traceback
         "--config_file", str(option_file("launch", tc.launch)),
         "--num_processes", str(processes(cfg, stage)),
         *port, *extra,

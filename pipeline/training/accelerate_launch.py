@@ -2,7 +2,7 @@
 
 When a worker fails, torchrun's agent raises ``ChildFailedError`` and the launcher dies printing its
 stack and a table of the failed ranks, below the workers' own output. The workers report their
-errors themselves (``pipeline.training.launch``: a traceback, or one line for a user error that the
+errors themselves (``pipeline.training.launch``, the workers' entry point: a traceback, or one line for a user error that the
 stage raises again), so here the failure ends in one line of exit codes instead, and in the preempted
 exit status when every failed worker was preempted (a multi-node job's other nodes run only this).
 
