@@ -125,15 +125,15 @@ DEMO_LANGS ?= de-en
 demo: install ## the local recipe end to end on this CPU for DEMO_LANGS (default de-en), then the result table
 	@started=$$(date +%s); \
 	for pair in $(DEMO_LANGS); do $(MAKE) --no-print-directory all RECIPE=local LANG_PAIR=$$pair ARGS="$(ARGS)" || exit 1; done; \
-	$(PY) -m pipeline.demo --started $$started $(DEMO_LANGS) $(foreach a,$(ARGS),--override $(a))
+	$(RUN) report recipe=local $(ARGS) --langs $(DEMO_LANGS) --started $$started
 
 BENCH ?=
 BENCH_DTYPE ?=
 bench: install ## benchmarks (not tests), results in runs/bench/NAME.json; BENCH=NAME runs one, RECIPE= and BENCH_DTYPE= choose what they measure
 	$(PY) -m pipeline.bench $(BENCH) --recipe $(RECIPE)$(if $(BENCH_DTYPE), --dtype $(BENCH_DTYPE))
 
-report: install ## result tables from finished eval stages -> runs/report.md
-	$(PY) -m pipeline.report
+report: install ## result tables from finished eval stages -> runs/report.md (ARGS='paths.runs_dir=DIR' for another folder)
+	$(RUN) report $(ARGS)
 
 GPU_CHECK_PARTS ?=
 GPU_CHECK_SHAPES ?= auto

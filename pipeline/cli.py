@@ -24,6 +24,8 @@ COMMANDS = {name: (stage.summary, list(stage.keys)) for name, stage in REGISTRY.
                                                              "data.sources"]),
     "gpu-check": ("run every GPU path on this device, checked, and measure c, v(K) and the engines (tiny shapes on "
                   "a CPU); docs/gpu-check.md", []),
+    "report": ("the result tables of every finished eval stage under paths.runs_dir -> its report.md; with --langs, "
+               "the summary of those pairs' evals (the end of make demo)", []),
     "config": ("print the composed config (nothing runs)", []),
     "list": ("list the recipes, targets, drafters, language pairs or benchmarks", []),
 }
@@ -123,6 +125,10 @@ def parser() -> argparse.ArgumentParser:
                    + common)
         sub.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                          help="recipe=NAME (default local), lang=PAIR, group=OPTION or any dotted key")
+        if name == "report":
+            sub.add_argument("--langs", nargs="+", metavar="PAIR", help="sum up these pairs' eval stages of the config "
+                             "into paths.runs_dir/demo-summary.json")
+            sub.add_argument("--started", type=float, help="when the run began (seconds since the epoch): its wall time")
     return top
 
 
@@ -155,6 +161,14 @@ def main(argv: list[str] | None = None) -> int:
             print(OmegaConf.to_yaml(cfg))
         elif args.command == "prepare":
             prepare(cfg, args.overrides)
+        elif args.command == "report":
+            from pipeline import report
+
+            if args.langs:
+                configs = {pair: compose_config([*args.overrides, f"lang={pair}"]) for pair in args.langs}
+                print(f"-> {report.summarize_pairs(configs, args.started)}")
+            else:
+                print(f"-> {report.gather(Path(cfg.paths.runs_dir))}")
         else:
             from pipeline.runner import run_stage  # torch and the stage's libraries: not for --help
 

@@ -1,17 +1,20 @@
 """Tables and plots from eval metrics.
 
 ``write_stage_report(metrics, folder)``: the eval stage's report.md (shaped like the paper's Table 1:
-rows methods, columns languages at T=0 and T=1) and PNG plots. ``python -m pipeline.report``
-(``make report``) gathers every complete eval stage under runs/ into runs/report.md.
+rows methods, columns languages at T=0 and T=1) and PNG plots. ``specdraft report`` (``make report``)
+gathers every complete eval stage under paths.runs_dir into its report.md; with ``--langs`` (the end of
+``make demo``) it sums up those pairs' evals of the composed config.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import time
 from pathlib import Path
 
-from pipeline.rundir import MARKER, VLLM_EVAL
+from omegaconf import DictConfig
+
+from pipeline.rundir import MARKER, VLLM_EVAL, StageInputError, make_command, stage_dir
 from pipeline.speculative.costs import cost_line
 
 METHOD_NAMES = {"target": "target only", "speculative": "speculative (ours)", "pld": "prompt lookup (PLD)",
@@ -221,26 +224,57 @@ def write_stage_report(metrics: dict, folder: Path) -> None:
     plot_acceptance(metrics, folder / "acceptance.png")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.report", description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=Path, default=Path("runs"))
-    args = parser.parse_args(argv)
-    found = sorted(p for folder in ("eval", VLLM_EVAL) for p in args.runs.glob(f"**/{folder}/metrics.json")
+def gather(runs_dir: Path) -> Path:
+    """Every complete eval stage under ``runs_dir`` (ours and vLLM's) in one runs_dir/report.md."""
+    found = sorted(p for folder in ("eval", VLLM_EVAL) for p in runs_dir.glob(f"**/{folder}/metrics.json")
                    if (p.parent / MARKER).exists())
     if not found:
-        print(f"error: no complete eval stage under {args.runs}; run `make eval` first")
-        return 2
+        raise StageInputError(f"no complete eval stage under {runs_dir}; run `make eval` first")
     sections = ["# specdraft results", ""]
     for path in found:
         metrics = json.loads(path.read_text())
         header = ["method", *[f"{pair} {t}" for pair, t in columns(metrics)]]
         sections += [f"## {path.parent}", "", table(speedup_table(metrics), header), ""]
-    out = args.runs / "report.md"
+    out = runs_dir / "report.md"
     out.write_text("\n".join(sections))
     print("\n".join(sections))
-    print(f"-> {out}")
-    return 0
+    return out
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def summarize_pairs(configs: dict[str, DictConfig], started: float | None) -> Path:
+    """The end of ``make demo``: the eval stage of each pair's config (pair -> config) in one table with the paths
+    of its report and plots, the figures and the machine they were measured on in runs_dir/demo-summary.json."""
+    summary, sections = {}, []
+    for pair, cfg in configs.items():
+        evaluation = stage_dir(cfg, "eval", check_inputs=False)
+        if not evaluation.is_complete():
+            raise StageInputError(f"{evaluation.path} is not complete; run `{make_command(cfg, 'all')}` first")
+        metrics = json.loads((evaluation.path / "metrics.json").read_text())
+        summary[pair] = {"temperatures": summary_of(metrics), "machine": machine_of(metrics)}
+        header = ["method", *[f"{p} {t}" for p, t in columns(metrics)]]
+        sections += [table(speedup_table(metrics), header), "", f"report: {evaluation.path / 'report.md'}",
+                     f"plots:  {evaluation.path / 'speedup.png'}, {evaluation.path / 'acceptance.png'}", ""]
+    if started:
+        summary["wall_time_s"] = round(time.time() - started)
+    out = Path(cfg.paths.runs_dir) / "demo-summary.json"
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    print("\n".join(sections))
+    for pair in configs:
+        line = ", ".join(f"{t}: speedup {m['speedup']:.2f}x, tau {m['tau']:.2f}, alpha {m['alpha']:.2f}"
+                         for t, m in summary[pair]["temperatures"].items())
+        print(f"{pair} speculative (ours) — {line}")
+        m = summary[pair]["machine"]
+        print(f"{pair} on {m['cpu']}: target in {m['target_dtype']}, {cost_line(m)}, K chosen: "
+              + "; ".join(f"{t} " + ", ".join(f"{method} {k}" for method, k in ks.items()) for t, ks in m["k"].items()))
+    if started:
+        print(f"demo wall time: {summary['wall_time_s'] / 60:.1f} min")
+    return out
+
+
+def machine_of(metrics: dict) -> dict:
+    """Where and how the eval measured: CPU model and flags, the target's dtype, c, v(K) and the chosen K."""
+    env = metrics["environment"]
+    return {"cpu": env["cpu"], "cpu_flags": env.get("cpu_flags", []), "target_dtype": metrics["target_dtype"],
+            "c": metrics["costs"]["c"], "v": metrics["costs"]["v"], "draft": metrics["costs"].get("draft"),
+            "k": {t: {method: choice["recommended_k"] for method, choice in by_method.items()}
+                  for t, by_method in (metrics.get("k_choice") or {}).items()}}

@@ -7,7 +7,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from pipeline import cli, report
+from pipeline import cli
 from pipeline.config import compose_config
 from pipeline.models.drafter import init_drafter, save_drafter
 
@@ -70,7 +70,7 @@ def test_eval_stage_writes_metrics_report_and_passes_greedy_gate(ci_drafter, run
     assert "| speculative (ours) |" in text and "de-en T=1.0" in text
     assert (out / "speedup.png").stat().st_size > 0 and (out / "acceptance.png").stat().st_size > 0
 
-    assert report.main(["--runs", str(runs_dir)]) == 0
+    assert cli.main(["report", f"paths.runs_dir={runs_dir}"]) == 0
     assert "speculative (ours)" in (runs_dir / "report.md").read_text()
 
 
@@ -182,8 +182,8 @@ def test_drafter_with_another_tokenizer_is_refused_before_compute(gemma_path, sm
 
 
 def test_report_without_eval_results_says_what_to_run(tmp_path, capsys):
-    assert report.main(["--runs", str(tmp_path)]) == 2
-    assert "make eval" in capsys.readouterr().out
+    assert cli.main(["report", f"paths.runs_dir={tmp_path}"]) == 2
+    assert "make eval" in capsys.readouterr().err  # the one-line error, on stderr
 
 
 def test_matrix_langs_are_checked_and_switch_the_language(ci_cfg):

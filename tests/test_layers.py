@@ -17,7 +17,7 @@ from pipeline.registry import REGISTRY
 PACKAGE = Path(__file__).parents[1] / "pipeline"
 LOWER = ("speculative", "models", "training", "evaluation", "data", "serving", "workers.py", "errors.py", "rundir.py",
          "prompts.py", "device.py", "jsonl.py", "durable.py", "tracking.py", "report.py", "config")
-UPPER = ("pipeline.stages", "pipeline.runner", "pipeline.cli", "pipeline.bench", "pipeline.demo", "pipeline.gpu_check")
+UPPER = ("pipeline.stages", "pipeline.runner", "pipeline.cli", "pipeline.bench", "pipeline.gpu_check")
 
 
 def imports(path: Path) -> set[str]:

@@ -134,7 +134,7 @@ def test_vicuna_p_f_and_f_only_land_apart_and_the_report_shows_both(stand_ins, t
         evals.append(stage_dir(cfg, "eval").path)
         assert_one_tokenization(cfg)
     assert evals[0] != evals[1] and all((path / "COMPLETE").exists() for path in evals)
-    report = subprocess.run([sys.executable, "-m", "pipeline.report", "--runs", str(runs_dir)], cwd=REPO_ROOT,
+    report = subprocess.run([sys.executable, "-m", "pipeline", "report", f"paths.runs_dir={runs_dir}"], cwd=REPO_ROOT,
                             capture_output=True, text=True)
     assert report.returncode == 0 and all(f"## {path}" in report.stdout for path in evals), report.stdout
 
