@@ -82,12 +82,16 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (specdraft --help lists the commands)\n")
 
 
-def parser() -> argparse.ArgumentParser:
-    from pipeline.config_reference import documented_keys
+def parser(with_help: bool = True) -> argparse.ArgumentParser:
+    """The CLI's parser; ``with_help``: with the help texts of the keys and groups, read from the schemas' source
+    (a third of a second: only when help is asked for)."""
+    common, docs, groups = "", {}, ""
+    if with_help:
+        from pipeline.config_reference import documented_keys
 
-    docs, groups = {doc.key: doc for doc in documented_keys()}, groups_help()  # once: every command's help shows them
-    common = (f"common keys:\n{keys_help(COMMON_KEYS, docs)}\n\nconfig groups (KEY=OPTION):\n{groups}\n\n"
-              "every key: docs/configuration.md; the composed config: specdraft config recipe=NAME lang=PAIR")
+        docs, groups = {doc.key: doc for doc in documented_keys()}, groups_help()  # once: every command shows them
+        common = (f"common keys:\n{keys_help(COMMON_KEYS, docs)}\n\nconfig groups (KEY=OPTION):\n{groups}\n\n"
+                  "every key: docs/configuration.md; the composed config: specdraft config recipe=NAME lang=PAIR")
     config_dir = argparse.ArgumentParser(add_help=False)
     config_dir.add_argument("--config-dir", metavar="DIR", default=argparse.SUPPRESS,
                             help=f"your own configs, laid out like conf/ (target/, lang/, drafter/, ..., recipes/); "
@@ -121,7 +125,7 @@ def parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(
             name, help=summary, description=summary, parents=[config_dir],
             formatter_class=argparse.RawDescriptionHelpFormatter,
-            epilog=(f"keys most used with {name} (default, meaning):\n{keys_help(keys, docs)}\n\n" if keys else "")
+            epilog=(f"keys most used with {name} (default, meaning):\n{keys_help(keys, docs)}\n\n" if keys and docs else "")
                    + common)
         sub.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                          help="recipe=NAME (default local), lang=PAIR, group=OPTION or any dotted key")
@@ -146,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         set_config_dir(argv)
-        args = parser().parse_args(argv)
+        args = parser(with_help=any(arg in ("-h", "--help") for arg in argv)).parse_args(argv)
         if args.command == "list":
             print_lists(args.what)
             return 0

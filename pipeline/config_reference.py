@@ -95,12 +95,6 @@ def _meanings(tp: Any) -> str:
     return "; ".join(f"`{m.value}`: {comments[m.name]}" for m in enum if comments.get(m.name))
 
 
-def undocumented_values() -> list[str]:
-    """Enum values of the schemas without a comment (their meaning is part of the reference)."""
-    enums = {_enum(tp) for cls in config.SCHEMAS.values() for tp in typing.get_type_hints(cls).values()} - {None}
-    return sorted(f"{e.__name__}.{m.name}" for e in enums for m in e if not _comments(e).get(m.name))
-
-
 def _type_name(tp: Any) -> str:
     tp, optional = _strip_optional(tp)
     if _enum(tp):
@@ -261,11 +255,6 @@ def markdown(recipe: str = RECIPE) -> str:
               ""]
     table([d for d in docs if not section_of(d.key)])
     return "\n".join(lines)
-
-
-def missing_help() -> list[str]:
-    """The keys without help text: no comment on their field in pipeline/config.py (nor on an enum's values)."""
-    return [doc.key for doc in documented_keys() if not doc.help]
 
 
 if __name__ == "__main__":
