@@ -16,8 +16,10 @@ import torch
 from omegaconf import DictConfig
 
 from pipeline.config import compose_config
-from pipeline.data.sources import load_sources
-from pipeline.prompts import build_prompt, prompt_ids
+from pipeline.device import resolve_device
+from pipeline.evaluation.heldout import heldout_prompts
+from pipeline.models.provision import load_tokenizer, model_path
+from pipeline.prompts import prompt_ids
 
 DEFAULT_RECIPE = "local"
 
@@ -40,6 +42,13 @@ class BenchSettings:
     def config(self, *overrides: str) -> DictConfig:
         return compose_config([*self.overrides(), *overrides])
 
+    def target(self, *overrides: str) -> tuple[DictConfig, torch.device, str, object]:
+        """The composed config, its eval device, the target's folder and its tokenizer: where every benchmark
+        of the target starts."""
+        cfg = self.config(*overrides)
+        target_path = model_path(cfg.target, cfg.paths.models_dir)
+        return cfg, resolve_device(cfg.eval.device), target_path, load_tokenizer(target_path)
+
     def out_dir(self, root: Path) -> Path:
         """``root`` for the local recipe in its own dtype (the results docs/ cites), else ``root/<recipe>[-<dtype>]``."""
         if self.recipe == DEFAULT_RECIPE and self.dtype is None:
@@ -47,7 +56,7 @@ class BenchSettings:
         return root / "-".join(filter(None, [self.recipe, self.dtype]))
 
 
-def heldout_prompts(cfg: DictConfig, tokenizer, device: torch.device, count: int) -> list[torch.Tensor]:
+def heldout_ids(cfg: DictConfig, tokenizer, device: torch.device, count: int) -> list[torch.Tensor]:
     """The first ``count`` held-out prompts of the pair, as the eval stage builds them: (1, length) ids on ``device``."""
-    return [torch.tensor([prompt_ids(build_prompt(cfg.target, cfg.lang, ex.src, tokenizer), tokenizer)], device=device)
-            for ex in load_sources(cfg)[1][:count]]
+    return [torch.tensor([prompt_ids(prompt, tokenizer)], device=device)
+            for _, prompt in heldout_prompts(cfg, cfg.lang.pair, tokenizer, count)]

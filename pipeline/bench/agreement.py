@@ -16,11 +16,10 @@ from pathlib import Path
 import torch
 
 from pipeline.bench import BenchSettings
-from pipeline.device import resolve_device
 from pipeline.evaluation.heldout import greedy_heldout_examples
 from pipeline.evaluation.teacher_forced import TeacherForced
 from pipeline.models.drafter import load_drafter
-from pipeline.models.provision import load_model, load_tokenizer, model_path
+from pipeline.models.provision import load_model
 from pipeline.prompts import IGNORE
 from pipeline.speculative.metrics import mean_and_standard_error
 
@@ -30,10 +29,8 @@ METRICS = ("top1_agreement", "t1_acceptance")
 
 @torch.inference_mode()
 def main(out_dir: Path, settings: BenchSettings) -> dict:
-    cfg = settings.config(f"lang={PAIR}", "eval.num_prompts=1000")  # every held-out prompt
-    target_path = model_path(cfg.target, cfg.paths.models_dir)
-    device = resolve_device(cfg.eval.device)
-    tokenizer, target = load_tokenizer(target_path), load_model(target_path, device=device)
+    cfg, device, target_path, tokenizer = settings.target(f"lang={PAIR}", "eval.num_prompts=1000")  # every prompt
+    target = load_model(target_path, device=device)
     examples = greedy_heldout_examples(cfg, target, tokenizer, cfg.eval.num_prompts, cfg.eval.max_new_tokens)
     pad_id = 0 if tokenizer.pad_token_id is None else tokenizer.pad_token_id
 

@@ -30,14 +30,13 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from pipeline.bench import BenchSettings, heldout_prompts
-from pipeline.device import resolve_device
+from pipeline.bench import BenchSettings, heldout_ids
 from pipeline.evaluation.heldout import stop_condition
 from pipeline.evaluation.results import environment
 from pipeline.data.sharegpt import iter_texts
 from pipeline.data.sources import load_sources
 from pipeline.models.drafter import load_drafter
-from pipeline.models.provision import load_model, load_tokenizer, model_path
+from pipeline.models.provision import load_model
 from pipeline.models.vocab import VocabMap
 from pipeline.prompts import build_prompt
 from pipeline.rundir import stage_dir
@@ -179,14 +178,11 @@ def method_table(outputs: dict, drafters: dict, target: CachedModel, first_promp
 
 def main(out_dir: Path, settings: BenchSettings) -> dict:
     torch.manual_seed(0)
-    cfg = settings.config()
-    device = resolve_device(cfg.eval.device)
-    target_path = model_path(cfg.target, cfg.paths.models_dir)
-    tokenizer = load_tokenizer(target_path)
+    cfg, device, target_path, tokenizer = settings.target()
     target_model = load_model(target_path, cfg.target.dtype, device)
     target = CachedModel(target_model)
     stop = stop_condition(cfg.target, tokenizer, target_model)
-    prompts = heldout_prompts(cfg, tokenizer, device, NUM_PROMPTS)
+    prompts = heldout_ids(cfg, tokenizer, device, NUM_PROMPTS)
     greedy = Sampling(0.0)
     finetuned_folder = stage_dir(cfg, "finetune", check_inputs=False).path / "drafter"
     skipped = skipped_layers(target_model.config.num_hidden_layers)

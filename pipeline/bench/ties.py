@@ -23,12 +23,11 @@ from pathlib import Path
 
 import torch
 
-from pipeline.bench import BenchSettings, heldout_prompts
-from pipeline.device import resolve_device
+from pipeline.bench import BenchSettings, heldout_ids
 from pipeline.evaluation.gate import first_divergence
 from pipeline.evaluation.heldout import stop_condition
 from pipeline.evaluation.results import environment
-from pipeline.models.provision import load_model, load_tokenizer, model_path
+from pipeline.models.provision import load_model
 from pipeline.speculative.engine import CachedModel, PromptLookupDrafter, generate
 
 PAIR, NUM_PROMPTS, MAX_NEW_TOKENS, K = "de-en", 24, 64, 4
@@ -116,11 +115,8 @@ def divergence(model, ids: torch.Tensor, reference: list[int], spec: list[int], 
 @torch.inference_mode()
 def main(out_dir: Path, settings: BenchSettings) -> dict:
     started = time.monotonic()
-    cfg = settings.config(f"lang={PAIR}")
-    device = resolve_device(cfg.eval.device)
-    path = model_path(cfg.target, cfg.paths.models_dir)
-    tokenizer = load_tokenizer(path)
-    prompts = heldout_prompts(cfg, tokenizer, device, NUM_PROMPTS)
+    cfg, device, path, tokenizer = settings.target(f"lang={PAIR}")
+    prompts = heldout_ids(cfg, tokenizer, device, NUM_PROMPTS)
     result = {"pair": PAIR, "prompts": len(prompts), "max_new_tokens": MAX_NEW_TOKENS, "k": K,
               "environment": environment(device)}
     for dtype in ("bfloat16", "float32"):

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from pipeline.bench import BenchSettings, heldout_prompts
-from pipeline.device import clock, half_precision_dtypes, resolve_device
+from pipeline.bench import BenchSettings, heldout_ids
+from pipeline.device import clock, half_precision_dtypes
 from pipeline.evaluation.results import environment
-from pipeline.models.provision import load_model, load_tokenizer, model_path
+from pipeline.models.provision import load_model
 from pipeline.speculative.costs import forward_seconds
 
 PAIR, NS, REPETITIONS = "de-en", [1, 2, 3, 4, 5, 6, 8, 12, 16], 11
@@ -41,11 +41,8 @@ def output_layer_ms(model, n: int, device: torch.device) -> float:
 
 def main(out_dir: Path, settings: BenchSettings) -> dict:
     started = time.monotonic()
-    cfg = settings.config(f"lang={PAIR}")
-    device = resolve_device(cfg.eval.device)
-    path = model_path(cfg.target, cfg.paths.models_dir)
-    tokenizer = load_tokenizer(path)
-    ids = heldout_prompts(cfg, tokenizer, device, 1)[0]
+    cfg, device, path, tokenizer = settings.target(f"lang={PAIR}")
+    ids = heldout_ids(cfg, tokenizer, device, 1)[0]
     models = {"float32": load_model(path, "float32", device)}
     linear = load_model(path, "float32", device)
     linear.set_output_embeddings(torch.nn.Linear(*reversed(linear.get_output_embeddings().weight.shape), bias=False))
