@@ -364,48 +364,60 @@ class Collator:
         return rows
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        rows = self.rows(examples)
+        batch = self.layout(self.rows(examples), unlabelled_first=self.pack_length is not None)
+        if self.vocab is not None:
+            batch["input_ids"] = self.vocab.encode(batch["input_ids"])
+        self.map_targets(batch)
+        batch["keep"] = (batch["labels"][:, 1:] != IGNORE).any(0).nonzero().squeeze(1)  # t predicts label t + 1
+        if self.pack_length is None:
+            del batch["position_ids"], batch["segment_ids"]
+        return batch
+
+    def layout(self, rows: list[list[dict]], unlabelled_first: bool, extra: dict[str, torch.Tensor] | None = None) -> dict:
+        """The rows' examples side by side, padded: every per-token field (``input_ids``, ``labels``, the teacher's
+        top-k and ``extra``'s, each a padding default of one row), ``attention_mask``, ``segment_ids`` and
+        ``position_ids`` (an example's own, else from 0); ``unlabelled_first``: each example's first token is no
+        label (packed rows: it would be predicted from the example before it)."""
+        extra = extra or {}
         length = max(sum(len(e["input_ids"]) for e in row) for row in rows)
         shape = (len(rows), length)
-        input_ids = torch.full(shape, self.pad_id, dtype=torch.long)
-        labels = torch.full(shape, IGNORE, dtype=torch.long)
-        attention_mask = torch.zeros(shape, dtype=torch.long)
-        position_ids = torch.zeros(shape, dtype=torch.long)
-        segment_ids = torch.full(shape, -1, dtype=torch.long)  # padding: a segment of its own, never a label
-        teacher = "teacher_ids" in examples[0]
-        if teacher:
-            k = max(e["teacher_ids"].shape[1] for e in examples)
-            teacher_ids = torch.full((*shape, k), -1, dtype=torch.long)
-            teacher_logprobs = torch.full((*shape, k), float("-inf"))
+        batch = {"input_ids": torch.full(shape, self.pad_id, dtype=torch.long),
+                 "labels": torch.full(shape, IGNORE, dtype=torch.long),
+                 "attention_mask": torch.zeros(shape, dtype=torch.long),
+                 "position_ids": torch.zeros(shape, dtype=torch.long),
+                 "segment_ids": torch.full(shape, -1, dtype=torch.long)}  # padding: a segment of its own, no label
+        batch |= {key: default[:length].repeat(len(rows), 1) for key, default in extra.items()}
+        if teacher := "teacher_ids" in rows[0][0]:
+            k = max(e["teacher_ids"].shape[1] for row in rows for e in row)
+            batch["teacher_ids"] = torch.full((*shape, k), -1, dtype=torch.long)
+            batch["teacher_logprobs"] = torch.full((*shape, k), float("-inf"))
         for r, row in enumerate(rows):
             at = 0
             for segment, example in enumerate(row):
                 n = len(example["input_ids"])
-                input_ids[r, at:at + n] = torch.as_tensor(example["input_ids"])
-                labels[r, at:at + n] = torch.as_tensor(example["labels"])
-                attention_mask[r, at:at + n] = 1
-                position_ids[r, at:at + n] = torch.arange(n)
-                segment_ids[r, at:at + n] = segment
+                for key in ("input_ids", "labels", *extra):
+                    batch[key][r, at:at + n] = torch.as_tensor(example[key])
+                batch["position_ids"][r, at:at + n] = torch.as_tensor(example.get("position_ids", range(n)))
+                batch["attention_mask"][r, at:at + n] = 1
+                batch["segment_ids"][r, at:at + n] = segment
                 if teacher:
                     width = example["teacher_ids"].shape[1]
-                    teacher_ids[r, at:at + n, :width] = torch.as_tensor(example["teacher_ids"])
-                    teacher_logprobs[r, at:at + n, :width] = torch.as_tensor(example["teacher_logprobs"])
-                if self.pack_length is not None:
-                    labels[r, at] = IGNORE  # else predicted from the example packed before it
+                    batch["teacher_ids"][r, at:at + n, :width] = torch.as_tensor(example["teacher_ids"])
+                    batch["teacher_logprobs"][r, at:at + n, :width] = torch.as_tensor(example["teacher_logprobs"])
+                if unlabelled_first:
+                    batch["labels"][r, at] = IGNORE
                 at += n
-        if self.vocab is not None:
-            input_ids = self.vocab.encode(input_ids)
-            labels = self.to_drafter(labels)
-        batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
-                 "keep": (labels[:, 1:] != IGNORE).any(0).nonzero().squeeze(1)}  # position t predicts label t + 1
-        if self.pack_length is not None:
-            batch |= {"position_ids": position_ids, "segment_ids": segment_ids}
-        if teacher:
-            if self.vocab is not None:
-                teacher_ids = self.to_drafter(teacher_ids, missing=-1)
-            batch["teacher_ids"] = teacher_ids
-            batch["teacher_logprobs"] = teacher_logprobs.masked_fill(teacher_ids < 0, float("-inf"))
         return batch
+
+    def map_targets(self, batch: dict) -> None:
+        """Labels and the teacher's ids to the drafter's vocabulary (what it cannot predict: no target), and the
+        teacher's log-probabilities of ids with no target to -inf."""
+        if self.vocab is not None:
+            batch["labels"] = self.to_drafter(batch["labels"])
+            if "teacher_ids" in batch:
+                batch["teacher_ids"] = self.to_drafter(batch["teacher_ids"], missing=-1)
+        if "teacher_ids" in batch:
+            batch["teacher_logprobs"] = batch["teacher_logprobs"].masked_fill(batch["teacher_ids"] < 0, float("-inf"))
 
     def to_drafter(self, target_ids: torch.Tensor, missing: int = IGNORE) -> torch.Tensor:
         """Target ids -> drafter ids; ids the drafter cannot predict (and ``missing`` ones) become ``missing``."""

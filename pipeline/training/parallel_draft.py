@@ -84,42 +84,13 @@ class ParallelDraftCollator(Collator):
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         rows = self.rows([self.expand(example) for example in examples])
         length = max(sum(len(e["input_ids"]) for e in row) for row in rows)
-        shape = (len(rows), length)
-        batch = {"input_ids": torch.full(shape, self.pad_id, dtype=torch.long),
-                 "labels": torch.full(shape, IGNORE, dtype=torch.long),
-                 "attention_mask": torch.zeros(shape, dtype=torch.long),
-                 "position_ids": torch.zeros(shape, dtype=torch.long),
-                 "segment_ids": torch.full(shape, -1, dtype=torch.long),  # padding: a segment of its own
-                 "anchors": torch.arange(length).repeat(len(rows), 1),  # padding: causal among itself
-                 "offsets": torch.zeros(shape, dtype=torch.long)}
-        teacher = "teacher_ids" in rows[0][0]
-        if teacher:
-            k = max(e["teacher_ids"].shape[1] for row in rows for e in row)
-            batch["teacher_ids"] = torch.full((*shape, k), -1, dtype=torch.long)
-            batch["teacher_logprobs"] = torch.full((*shape, k), float("-inf"))
-        for r, row in enumerate(rows):
-            at = 0
-            for segment, example in enumerate(row):
-                n = len(example["input_ids"])
-                for key in ("input_ids", "labels", "position_ids", "anchors", "offsets"):
-                    batch[key][r, at:at + n] = torch.as_tensor(example[key])
-                batch["attention_mask"][r, at:at + n] = 1
-                batch["segment_ids"][r, at:at + n] = segment
-                if teacher:
-                    width = example["teacher_ids"].shape[1]
-                    batch["teacher_ids"][r, at:at + n, :width] = torch.as_tensor(example["teacher_ids"])
-                    batch["teacher_logprobs"][r, at:at + n, :width] = torch.as_tensor(example["teacher_logprobs"])
-                at += n
-        is_mask = batch["input_ids"] < 0
-        real = batch["input_ids"].clamp(min=0)
+        # padding: causal among itself (its own anchor), a real token (offset 0)
+        batch = self.layout(rows, unlabelled_first=False,
+                            extra={"anchors": torch.arange(length), "offsets": torch.zeros(length, dtype=torch.long)})
+        is_mask, real = batch["input_ids"] < 0, batch["input_ids"].clamp(min=0)
         batch["input_ids"] = torch.where(is_mask, self.mask_id, self.vocab.encode(real) if self.vocab else real)
-        if self.vocab is not None:
-            batch["labels"] = self.to_drafter(batch["labels"])
-            if teacher:
-                batch["teacher_ids"] = self.to_drafter(batch["teacher_ids"], missing=-1)
-        if teacher:
-            batch["teacher_logprobs"] = batch["teacher_logprobs"].masked_fill(batch["teacher_ids"] < 0, float("-inf"))
-        batch["keep"] = (batch["labels"] != IGNORE).any(0).nonzero().squeeze(1)
+        self.map_targets(batch)
+        batch["keep"] = (batch["labels"] != IGNORE).any(0).nonzero().squeeze(1)  # labels come shifted: t learns t
         return batch
 
 
