@@ -29,7 +29,7 @@ from pipeline.speculative.engine import (
 )
 from pipeline.speculative.metrics import timed
 from pipeline.speculative.sampler import Sampling, probabilities, verify, verify_greedy
-from tests.test_engine import PROMPT, VOCAB, gemma, llama, reduced_copy
+from tests.helpers import PROMPT, VOCAB, gemma, llama, reduced_copy
 
 NO_STOP = StopCondition(tokenizer=None)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Gemma3TextConfig, Gemma3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from pipeline.models.vocab import VocabMap
 from pipeline.speculative.engine import (
@@ -19,40 +18,10 @@ from pipeline.speculative.engine import (
 )
 from pipeline.speculative.metrics import alpha_from_tau
 from pipeline.speculative.sampler import Sampling, probabilities
-from test_sampler import assert_follows  # tests/ is on sys.path (pytest's rootdir-relative imports)
-
-VOCAB = 64
-NO_STOP = StopCondition(tokenizer=None)
+from tests.helpers import NO_STOP, PROMPT, VOCAB, assert_follows, full_greedy, gemma, llama, reduced_copy
 
 
-def llama(seed: int, vocab: int = VOCAB, hidden: int = 32):
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
-    return LlamaForCausalLM(config).eval()
 
-
-def gemma(seed: int):
-    """Gemma 3 layout (sliding-window layers beside full ones) with a window far shorter than the sequences."""
-    torch.manual_seed(seed)
-    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=6,
-                              layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                              max_position_embeddings=256)
-    return Gemma3ForCausalLM(config).eval()
-
-
-def full_greedy(model, prompt: torch.Tensor, steps: int) -> list[int]:
-    """Reference greedy decoding by full recomputation, no cache."""
-    sequence = prompt
-    with torch.inference_mode():
-        for _ in range(steps):
-            token = model(input_ids=sequence).logits[:, -1].argmax(-1, keepdim=True)
-            sequence = torch.cat([sequence, token], dim=1)
-    return sequence[0, prompt.shape[1]:].tolist()
-
-
-PROMPT = torch.tensor([[1, 5, 9, 13, 5, 9, 22, 3]])
 
 
 @pytest.mark.parametrize("make", [llama, gemma])
@@ -149,18 +118,6 @@ def test_hf_assisted_generation_drafts_exactly_k_per_round():
     assert calls == [PROMPT.shape[1] + k] + [k + 1] * (rounds - 1)
     assert tokens == full_greedy(target, PROMPT, rounds * (k + 1))
     assert assistant.generation_config is own_config  # the assistant is left as it was
-
-
-def reduced_copy(model, vocab_map: VocabMap):
-    """The model restricted to the mapped ids: a reduced-vocabulary drafter that agrees with its target often."""
-    config = model.config.__class__(**{**model.config.to_dict(), "vocab_size": vocab_map.drafter_vocab_size})
-    drafter = model.__class__(config).eval()
-    state = model.state_dict()
-    rows = torch.cat([vocab_map.target_ids, vocab_map.target_ids[:1]])  # the unk row: any row
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        state[name] = state[name][rows]
-    drafter.load_state_dict(state)
-    return drafter
 
 
 def test_full_vocabulary_copy_of_a_reduced_drafter_scores_as_it_does():

@@ -16,7 +16,6 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     Gemma3ForCausalLM,
-    Gemma3TextConfig,
     LlamaForCausalLM,
 )
 
@@ -34,18 +33,10 @@ from pipeline.models.export import (
 )
 from pipeline.models.vocab import TokenizerMismatchError, VocabMap
 from pipeline.rundir import stage_dir
-from tests.test_engine import llama, reduced_copy
+from tests.helpers import llama
+from tests.helpers import finished_finetune, reduced_copy, tiny_gemma3
 
 TARGET_VOCAB = 49152  # SmolLM2's
-
-
-def gemma_target(seed: int):
-    """Gemma 3's layout (sliding-window layers): its cache must come out of the wrapper's config right."""
-    torch.manual_seed(seed)
-    config = Gemma3TextConfig(vocab_size=TARGET_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=6,
-                              layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256)
-    return Gemma3ForCausalLM(config).eval()
 
 
 @pytest.fixture(params=["llama", "gemma"])
@@ -53,7 +44,7 @@ def exported(request, smollm_path, tmp_path):
     """A tiny target on SmolLM2's tokenizer, its reduced-vocabulary copy (the target's rows of every third id and
     the special ids, tied: it agrees with the target where the target's choice is mapped) as a finetuned
     drafter folder, and that folder exported."""
-    target = llama(0, TARGET_VOCAB) if request.param == "llama" else gemma_target(0)
+    target = llama(0, TARGET_VOCAB) if request.param == "llama" else tiny_gemma3(0, TARGET_VOCAB, ["sliding_attention", "full_attention"])  # its cache from the wrapper's config
     tokenizer = AutoTokenizer.from_pretrained(smollm_path)
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
@@ -187,24 +178,6 @@ def test_full_vocabulary_drafter_exports_as_a_plain_model(smollm_path, tmp_path)
     assert export_drafter(str(tmp_path / "finetuned"), str(tmp_path / "target"), tmp_path / "export", 3) is None
     assert {p.name for p in (tmp_path / "export").iterdir()}.isdisjoint({VLLM_DIR, "modeling_specdraft.py"})
     assert isinstance(AutoModelForCausalLM.from_pretrained(tmp_path / "export"), LlamaForCausalLM)
-
-
-def finished_finetune(cfg, smollm_path: str) -> None:
-    """What `make finetune` leaves for ``cfg`` (drafter.reduced_vocab=2000): complete distill and pretrain stages and
-    a finetune holding a random reduced-vocabulary drafter (its map: the most frequent tokens of some text)."""
-    from pipeline.models.drafter import build_drafter
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm_path)
-    counts = torch.bincount(torch.tensor(tokenizer("Guten Morgen, the quick brown fox. " * 50).input_ids),
-                            minlength=TARGET_VOCAB)
-    vocab = VocabMap.most_frequent(counts, 2000, always=tokenizer.all_special_ids)
-    for stage in ("distill", "pretrain", "finetune"):
-        directory = stage_dir(cfg, stage, check_inputs=False)
-        assert directory.begin(cfg)
-        if stage == "finetune":
-            save_drafter(build_drafter(cfg.drafter, smollm_path, vocab, seed=0)[0], smollm_path, vocab,
-                         directory.path / "drafter")
-        directory.finish(cfg, {})
 
 
 @pytest.mark.slow

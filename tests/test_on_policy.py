@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from tests.helpers import tiny_llama
 from pipeline.config import Divergence, FinetuneConfig
 from pipeline.evaluation.teacher_forced import TeacherForced, drafter_log_probs
 from pipeline.models.vocab import VocabMap
@@ -25,10 +26,7 @@ VOCAB = VocabMap(torch.arange(MAPPED), TARGET_VOCAB)  # the target's ids 0..23; 
 
 
 def llama(vocab_size: int, seed: int, hidden: int = 32) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                                        num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=64,
-                                        pad_token_id=PAD, eos_token_id=EOS)).eval()
+    return tiny_llama(seed, vocab_size, hidden, intermediate=2 * hidden, pad_token_id=PAD, eos_token_id=EOS)
 
 
 def peaked_target() -> LlamaForCausalLM:

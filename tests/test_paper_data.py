@@ -14,6 +14,7 @@ from pipeline.data.sources import load_sources
 from pipeline.training import data
 from pipeline.prompts import IGNORE
 from pipeline.training.data import Collator
+from tests.helpers import short_sharegpt
 
 JPARACRAWL = [  # domain, domain, score, English, Japanese (as NTT distributes en-ja)
     "example.com\texample.jp\t0.77\tThe weather is very nice today, isn't it?\t今日はとても良い天気ですね、そう思いませんか？",
@@ -53,15 +54,6 @@ def test_collator_pads_a_tokenizer_without_a_pad_token():
     assert batch["input_ids"].tolist() == [[1, 5, 6], [1, 7, 0]]
     assert batch["labels"][1, 2] == IGNORE and batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
     assert batch["input_ids"].dtype == torch.long
-
-
-def short_sharegpt(count: int):
-    """A ShareGPT of ``count`` short conversations (the package's has 17,671), as iter_conversations yields them."""
-    def conversations(limit=None):
-        rows = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Question number {i}?"},
-                                                  {"from": "gpt", "value": f"Answer number {i}."}]} for i in range(count)]
-        return iter(rows[:limit])
-    return conversations
 
 
 def test_pretraining_reads_its_token_budget_mixed_by_tokens_and_c4_goes_on_after_sharegpt(tmp_path, monkeypatch):

@@ -17,8 +17,7 @@ from pipeline.speculative.engine import (CachedModel, LookupThenModelDrafter, Pa
 from pipeline.speculative.sampler import Sampling, probabilities
 from pipeline.prompts import IGNORE
 from pipeline.training.parallel_draft import ParallelDraftCollator, attention_mask, mask_token
-from test_engine import NO_STOP, PROMPT, VOCAB, full_greedy, llama
-from test_sampler import assert_follows
+from tests.helpers import NO_STOP, PROMPT, VOCAB, assert_follows, full_greedy, llama
 
 MASK = VOCAB - 1  # a full-vocabulary drafter's mask: an id the data never uses
 

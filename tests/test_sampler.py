@@ -6,33 +6,14 @@ variation bound, over >= 10^5 samples of synthetic distributions.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from pipeline.models.vocab import VocabMap
+from tests.helpers import assert_follows
 from pipeline.speculative.sampler import Sampling, probabilities, sample, verify, verify_greedy
 
 N = 200_000
-
-
-def chi2_critical(df: int, z: float = 3.719) -> float:
-    """Wilson–Hilferty approximation of the chi-square quantile (z = 3.719: p = 1e-4)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def assert_follows(samples: torch.Tensor, expected: torch.Tensor, max_tv: float | None = 0.01) -> None:
-    """``samples`` (N,) of category ids are distributed as ``expected`` (C,). ``max_tv=None``: the chi-square
-    test alone (fewer samples than the TV bound needs: sampling noise alone gives TV ~ sqrt(C / N) / 2)."""
-    counts = torch.bincount(samples, minlength=expected.numel()).double()
-    n = counts.sum()
-    assert counts[expected == 0].sum() == 0, "sampled a token of probability 0"
-    support = expected > 0
-    chi2 = float(((counts[support] - n * expected[support]) ** 2 / (n * expected[support])).sum())
-    tv = float((counts / n - expected).abs().sum() / 2)
-    assert chi2 < chi2_critical(int(support.sum()) - 1), f"chi2 {chi2:.1f}, total variation {tv:.4f}"
-    assert max_tv is None or tv < max_tv, f"total variation {tv:.4f}"
 
 
 def random_dist(generator, shape, sparsity=0.0):

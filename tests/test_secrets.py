@@ -17,8 +17,7 @@ from pipeline.cli import main
 from pipeline.config import REPO_ROOT, compose_config
 from pipeline.rundir import MANIFEST, stage_dir
 from pipeline.tracking import Tracker
-from tests.test_export import finished_finetune
-from tests.test_serving import command_lines
+from tests.helpers import command_lines, finished_finetune
 
 TRAIN_NODE = str(REPO_ROOT / "slurm" / "train-node.sh")
 

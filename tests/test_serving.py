@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -14,6 +13,7 @@ from pipeline.config import REPO_ROOT, compose_config
 from pipeline.models.provision import ModelNotFoundError
 from pipeline.serving.client import TargetClient, is_transient
 from pipeline.serving.server import ServingError, VLLMServer, data_parallel_size, served_dtype
+from tests.helpers import command_lines
 
 CACHE = REPO_ROOT / "runs" / "cache"
 
@@ -143,17 +143,6 @@ def test_a_stop_token_ends_the_answer_and_finetuning_trains_on_it(vllm_server, s
     assert served["input_ids"] == ids + free.token_ids[:2] and served["labels"][len(ids) - 1] == IGNORE
     without_ids = record_example({k: v for k, v in record.items() if not k.endswith("token_ids")}, tokenizer, 4096)
     assert without_ids["input_ids"][-1] == stop_id and without_ids["input_ids"][: len(ids)] == ids
-
-
-def command_lines() -> list[bytes]:
-    """Every process's /proc/PID/cmdline, which every user of the node can read."""
-    lines = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            lines.append(cmdline.read_bytes())
-        except OSError:  # the process ended meanwhile
-            continue
-    return lines
 
 
 def test_the_key_is_in_no_command_line_and_the_server_requires_it(vllm_server):

@@ -431,7 +431,7 @@ def test_user_error_inside_an_accelerate_worker_ends_the_stage_in_one_line(tmp_p
 def test_pretrain_reads_its_token_budget_with_c4_going_on_after_sharegpt(tmp_path, monkeypatch):
     """The acceptance of issue 27: a token budget over C4 (a local stand-in) and a ShareGPT that runs out first."""
     from standins import datasets_root
-    from test_paper_data import short_sharegpt
+    from tests.helpers import short_sharegpt
 
     from pipeline.training import data
 

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from tests.helpers import tiny_llama
 from pipeline.config import ConfigError, Loss, ParallelDraftConfig, TrainConfig, compose_config
 from pipeline.models.provision import load_model, load_tokenizer
 from pipeline.models.vocab import VocabMap
@@ -26,10 +27,7 @@ VOCAB = 32
 
 
 def tiny_model(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, max_position_embeddings=64, pad_token_id=0)
-    return LlamaForCausalLM(config)
+    return tiny_llama(seed, VOCAB, pad_token_id=0).train()
 
 
 def train_config(**overrides):

@@ -223,7 +223,7 @@ def reduced_drafted(smollm_path, tmp_path_factory):
     from pipeline.evaluation.heldout import heldout_prompts
     from pipeline.prompts import prompt_ids
     from pipeline.models.export import EXPORT_FOLDER as FOLDER
-    from tests.test_engine import reduced_copy
+    from tests.helpers import reduced_copy
 
     runs_dir = tmp_path_factory.mktemp("vllm-eval-reduced") / "runs"
     tokenizer = AutoTokenizer.from_pretrained(smollm_path)
