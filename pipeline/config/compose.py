@@ -1,0 +1,119 @@
+"""Composition: a recipe and command-line overrides into one config, through Hydra, checked against the schemas and
+validated; variants of a composed config; the overrides a command repeats; Hydra's and OmegaConf's errors as one
+line."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from pipeline.config.checks import validate
+from pipeline.config.folders import CONF_DIR, GROUPS, RECIPES_DIR, check_choice, option_file, user_config_dir
+from pipeline.config.schemas import SCHEMAS, Config, ConfigError
+
+DEFAULT_RECIPE = "local"
+
+# conf/specdraft.yaml, the base of every recipe, names the schema first in its defaults list
+ConfigStore.instance().store(name="specdraft_schema", node=Config)
+
+
+def _one_line(exc: BaseException) -> str:
+    """Hydra/OmegaConf errors span several lines; keep the innermost cause's first line and key."""
+    cause = exc
+    while isinstance(cause.__cause__, OmegaConfBaseException):
+        cause = cause.__cause__
+    text = str(cause)
+    full_key = re.search(r"full_key: (\S+)", text)
+    first = text.strip().splitlines()[0]
+    unknown = re.match(r"Key '[^']+' not in '(\w+)'", first)
+    if unknown and unknown.group(1) in SCHEMAS:
+        first += f"; valid keys: {', '.join(f.name for f in fields(SCHEMAS[unknown.group(1)]))}"
+    return f"{full_key.group(1)}: {first}" if full_key else first
+
+
+def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """Compose ``recipes/<recipe>.yaml`` with command-line style overrides and validate it.
+
+    ``recipe=NAME`` among the overrides selects the recipe (default: ``local``).
+    Raises ConfigError with a one-line message for any invalid input.
+    """
+    recipe = DEFAULT_RECIPE
+    hydra_overrides = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override '{item}' is not KEY=VALUE")
+        if key == "recipe":
+            recipe = value
+            continue
+        if key.lstrip("+~") in GROUPS:
+            check_choice(key.lstrip("+~"), value)
+        hydra_overrides.append(item)
+    recipe_file = option_file("recipe", recipe)
+    # where Hydra finds the recipes a recipe extends and the group files: the user's directory first
+    user = user_config_dir()
+    search = [folder for folder in (*([user / "recipes", user] if user else []), RECIPES_DIR, CONF_DIR)
+              if folder.is_dir()]  # Hydra warns, in two lines, of each missing one
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(recipe_file.parent), version_base="1.3"):
+            cfg = compose(
+                config_name=recipe,
+                overrides=[f"hydra.searchpath=[{','.join(f'file://{folder}' for folder in search)}]", *hydra_overrides],
+            )
+    except MissingConfigException as exc:
+        raise ConfigError(_one_line(exc)) from exc
+    except (ConfigCompositionException, OmegaConfBaseException) as exc:
+        raise ConfigError(_one_line(exc)) from exc
+    except OverrideParseException as exc:
+        reason = [line for line in exc.message.splitlines() if not line.startswith("See https")][-1]
+        raise ConfigError(f"override '{exc.override}' does not parse ({reason}); write KEY=VALUE, a list as "
+                          "KEY=[a,b] quoted for the shell (https://hydra.cc/docs/advanced/override_grammar/basic)"
+                          ) from exc
+    except yaml.YAMLError as exc:  # a config file that is not YAML (a user's --config-dir one, most likely)
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{mark.name}:{mark.line + 1}" if mark else "a config file"
+        raise ConfigError(f"{where}: not valid YAML ({getattr(exc, 'problem', None) or exc}); fix that line"
+                          ) from exc
+    finally:
+        GlobalHydra.instance().clear()
+    cfg.overrides = command_overrides(overrides)
+    _check_against_schema(cfg)
+    validate(cfg)
+    return cfg
+
+
+def last_of_each_key(overrides) -> list[str]:
+    """KEY=VALUE overrides with only the last value of a key kept (where the key first appeared)."""
+    return list({item.partition("=")[0]: item for item in overrides}.values())
+
+
+def command_overrides(overrides) -> list[str]:
+    """The overrides a command naming this variant repeats: the last value of each key, less recipe and lang (the
+    make command's RECIPE and LANG) and force (a message says when to force)."""
+    return [item for item in last_of_each_key(overrides) if item.partition("=")[0] not in ("recipe", "lang", "force")]
+
+
+def with_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """A variant of a composed config: ``cfg`` with plain KEY=VALUE overrides (no config groups), validated."""
+    variant = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+    variant.overrides = command_overrides([*cfg.overrides, *overrides])
+    _check_against_schema(variant)
+    validate(variant)
+    return variant
+
+
+def _check_against_schema(cfg: DictConfig) -> None:
+    """`+key=value` adds keys Hydra does not check against the schema: merging into the schema does."""
+    try:
+        OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(cfg))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_one_line(exc)) from exc
