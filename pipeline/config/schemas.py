@@ -4,6 +4,10 @@ values, and the constants they are checked against.
 Every Hydra group in ``conf/`` is typed by a dataclass below, so a typo'd key, a wrong type or an unknown enum
 value fails when the config is composed, before any compute. The comments on fields and enum members are the
 help text of docs/configuration.md (pipeline/config_reference.py reads them).
+
+A section whose rules its types cannot express has a ``check(section, key)``: the problems of that composed
+section (the DictConfig at the dotted ``key``), each a message that names its key; ``validate``
+(pipeline/config/checks.py) calls them and adds the checks across sections.
 """
 
 from __future__ import annotations
@@ -13,9 +17,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
 
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig
 
 DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")  # eval.device
+
+
+def _positive_or_auto(count: Any) -> bool:
+    """A process or replica count (typed Any): a positive integer or auto."""
+    return count == "auto" or isinstance(count, int) and count >= 1
 
 
 class ConfigError(ValueError):
@@ -93,6 +102,10 @@ class TargetConfig:
     # dry runs: a tiny random-init model of this architecture, with the real tokenizer, replaces the weights
     stand_in: bool = False
 
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        return [f"{key}.source=init is only for drafters"] if section.source == ModelSource.init else []
+
 
 @dataclass
 class DrafterConfig:
@@ -116,6 +129,23 @@ class DrafterConfig:
     embeddings_from_target: bool = False
     # source=init: start this shape from these weights (hub id or folder; paper-vicuna: double7/vicuna-68m), not random
     init_from: Optional[str] = None
+
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        d, problems = section, []
+        if d.source == ModelSource.init and d.hidden_size % d.num_heads:
+            problems.append(f"{key}.hidden_size {d.hidden_size} is not divisible by {key}.num_heads {d.num_heads}")
+        if d.num_kv_heads is not None and d.num_heads % d.num_kv_heads:
+            problems.append(f"{key}.num_heads {d.num_heads} is not divisible by {key}.num_kv_heads {d.num_kv_heads}")
+        if d.embeddings_from_target and d.source != ModelSource.init:
+            problems.append(f"{key}.embeddings_from_target starts new weights: it needs {key}.source=init, "
+                            f"not {d.source.value}")
+        if d.init_from and (d.source != ModelSource.init or d.reduced_vocab is not None):
+            problems.append(f"{key}.init_from starts a source=init drafter of the full vocabulary from published "
+                            f"weights; unset {key}.reduced_vocab and use {key}.source=init, or drop init_from")
+        if d.source in (ModelSource.hub, ModelSource.local) and not d.path:
+            problems.append(f"{key}.source={d.source.value} needs {key}.path")
+        return problems
 
 
 @dataclass
@@ -173,6 +203,21 @@ class DataConfig:
     pretrain_corpora: list[CorpusConfig] = field(default_factory=lambda: [CorpusConfig(name="sharegpt")])
     pretrain_max_documents: Optional[int] = None  # cap on pretraining documents (None: the token budget decides)
 
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        problems = []
+        if any(corpus.weight <= 0 for corpus in section.pretrain_corpora):
+            problems.append(f"{key}.pretrain_corpora: every weight must be > 0 (a share of the pretraining tokens)")
+        if not 0 <= section.heldout_fraction < 1:
+            problems.append(f"{key}.heldout_fraction must be in [0, 1)")
+        if section.sources == SourceKind.file and not section.source_file:
+            problems.append(f"{key}.sources=file needs {key}.source_file")
+        if section.back_translation < 0:
+            problems.append(f"{key}.back_translation must be >= 0")
+        elif section.back_translation and section.sources != SourceKind.offline:
+            problems.append(f"{key}.back_translation works on offline sources (ShareGPT); set {key}.back_translation=0")
+        return problems
+
 
 @dataclass
 class ServerConfig:
@@ -189,6 +234,15 @@ class ServerConfig:
     cpu_kvcache_gb: int = 2  # VLLM_CPU_KVCACHE_SPACE of the CPU build
     enforce_eager: bool = True  # no graph capture: right on CPU; GPU recipes set false for CUDA graphs
     extra_args: list[str] = field(default_factory=list)  # more vllm serve arguments
+
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        problems = []
+        if section.tensor_parallel < 1:
+            problems.append(f"{key}.tensor_parallel must be >= 1")
+        if not _positive_or_auto(section.data_parallel):
+            problems.append(f"{key}.data_parallel must be a positive integer or auto, not {section.data_parallel}")
+        return problems
 
 
 @dataclass
@@ -211,6 +265,19 @@ class DistillConfig:
     shard: int = 0  # this job's slice: 0 <= shard < num_shards
     server: ServerConfig = field(default_factory=ServerConfig)
 
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        problems = []
+        if not 0 <= section.max_failed_share < 1:
+            problems.append(f"{key}.max_failed_share must be in [0, 1): the share of records a complete distill "
+                            "may lack")
+        if section.concurrency_per_replica < 1:
+            problems.append(f"{key}.concurrency_per_replica must be >= 1")
+        if section.num_shards < 1 or not 0 <= section.shard < section.num_shards:
+            problems.append(f"{key}.shard={section.shard} of {key}.num_shards={section.num_shards}: "
+                            "need num_shards >= 1 and 0 <= shard < num_shards")
+        return problems + ServerConfig.check(section.server, f"{key}.server")
+
 
 @dataclass
 class ParallelDraftConfig:
@@ -225,6 +292,15 @@ class ParallelDraftConfig:
     # the mask token of a full-vocabulary drafter: a target id the data never uses (None: the tokenizer's unk, an
     # unused special token or a padding row); a reduced vocabulary's gets an id of its own
     mask_token: Optional[int] = None
+
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        problems = []
+        if section.enabled and section.k < 2:
+            problems.append(f"{key}.k must be >= 2: the positions drafted in one forward")
+        if section.enabled and not 0 < section.min_retention <= section.retention <= 1:
+            problems.append(f"{key}: need 0 < min_retention <= retention <= 1")
+        return problems
 
 
 @dataclass
@@ -250,6 +326,23 @@ class TrainConfig:
     num_processes: Any = 1
     parallel_draft: ParallelDraftConfig = field(default_factory=ParallelDraftConfig)
 
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        tc = section
+        problems = ParallelDraftConfig.check(tc.parallel_draft, f"{key}.parallel_draft")
+        if not 0 <= tc.warmup_ratio < 1:
+            problems.append(f"{key}.warmup_ratio must be in [0, 1)")
+        if not _positive_or_auto(tc.num_processes):
+            problems.append(f"{key}.num_processes must be a positive integer or auto, not {tc.num_processes}")
+        elif tc.num_processes != "auto" and tc.batch_size % (tc.grad_accum * tc.num_processes):
+            problems.append(f"{key}.batch_size {tc.batch_size} (global) must be divisible by "
+                            f"grad_accum x num_processes = {tc.grad_accum * tc.num_processes}")
+        if tc.resume not in ("auto", "never"):
+            problems.append(f"{key}.resume must be auto or never")
+        if tc.mixed_precision not in ("no", "bf16", "fp16"):
+            problems.append(f"{key}.mixed_precision must be one of no, bf16, fp16")
+        return problems
+
 
 @dataclass
 class OnPolicyConfig:
@@ -268,6 +361,16 @@ class OnPolicyConfig:
     lr: float = 1.0e-4  # learning rate of the alignment
     heldout_prompts: int = 16  # distilled prompts neither SFT nor the alignment trains on: the per-round estimate
 
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        op, problems = section, []
+        if op.enabled and min(op.rounds, op.steps_per_round, op.batch_size, op.rollout_tokens, op.heldout_prompts) < 1:
+            problems.append(f"{key}: rounds, steps_per_round, batch_size, rollout_tokens and heldout_prompts must be "
+                            ">= 1")
+        if op.rollout_temperature < 0:
+            problems.append(f"{key}.rollout_temperature must be >= 0")
+        return problems
+
 
 @dataclass
 class FinetuneConfig(TrainConfig):
@@ -285,11 +388,26 @@ class FinetuneConfig(TrainConfig):
     pack: bool = False
     on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
 
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        problems = TrainConfig.check(section, key)
+        if section.parallel_draft.enabled and section.on_policy.enabled:
+            problems.append(f"{key}.on_policy aligns an autoregressive drafter's rollouts; it does not train "
+                            "parallel drafting: turn one of them off")
+        if not 0 < section.data_fraction <= 1:
+            problems.append(f"{key}.data_fraction must be in (0, 1]: the share of the distilled prompts trained on")
+        return problems + OnPolicyConfig.check(section.on_policy, f"{key}.on_policy")
+
 
 @dataclass
 class TrainGroupConfig:
     pretrain: TrainConfig = field(default_factory=TrainConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        return (TrainConfig.check(section.pretrain, f"{key}.pretrain")
+                + FinetuneConfig.check(section.finetune, f"{key}.finetune"))
 
 
 # What eval.methods may name (the eval stage adds the router on its own mixed prompt set).
@@ -335,12 +453,46 @@ class EvalConfig:
     # {num_draft_tokens, k_sweep} predicted fastest, τ(K) / (K·c + v(K)) (false: num_draft_tokens for every method)
     choose_k: bool = True
 
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        ev, problems = section, []
+        if ev.num_draft_tokens < 1:
+            problems.append(f"{key}.num_draft_tokens (K) must be >= 1")
+        if not DEVICE_SPEC.fullmatch(ev.device):
+            problems.append(f"{key}.device={ev.device} is not a device; use auto, cpu, cuda or cuda:N")
+        if not _positive_or_auto(ev.processes):
+            problems.append(f"{key}.processes must be a positive integer or auto, not {ev.processes}")
+        if unknown := [d for d in ev.dtype_candidates if d not in ("bfloat16", "float16")]:
+            problems.append(f"{key}.dtype_candidates: {', '.join(map(str, unknown))} not a half-precision dtype; "
+                            "valid: bfloat16, float16")
+        if ev.tie_tolerance < 0:
+            problems.append(f"{key}.tie_tolerance must be >= 0 (a top-2 logit gap)")
+        if ev.engine not in ("transformers", "vllm"):
+            problems.append(f"{key}.engine must be transformers or vllm")
+        if not 0 <= ev.draft_confidence < 1:
+            problems.append(f"{key}.draft_confidence must be in [0, 1): the drafter probability below which a draft "
+                            "stops")
+        if "router" in ev.methods:
+            problems.append(f"{key}.methods: the router is not a method; set {key}.router_langs=[de-en,fr-en] "
+                            "to run it")
+        elif unknown := [m for m in ev.methods if m not in EVAL_METHODS]:
+            problems.append(f"{key}.methods: unknown {', '.join(unknown)}; valid: {', '.join(EVAL_METHODS)}")
+        sources = [pair.split("-")[0] for pair in ev.router_langs]
+        if ev.router_langs and (len(sources) < 2 or len(set(sources)) < len(sources)):
+            problems.append(f"{key}.router_langs needs two or more pairs with different source languages, "
+                            "e.g. [de-en,fr-en]")
+        return problems
+
 
 @dataclass
 class ExportConfig:
     # held-out prompts of the export's smoke check: greedy output with the exported drafter equals the target's
     # own, and its T=1 acceptance equals our engine's with the same drafter (eval.seeds, K, max_new_tokens)
     num_prompts: int = 8
+
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        return [f"{key}.num_prompts must be >= 1"] if section.num_prompts < 1 else []
 
 
 @dataclass
@@ -355,6 +507,20 @@ class ScalingConfig:
     heldout_prompts: int = 32
     # points also measured by the eval stage (target vs speculative, first seed): <series>@<fraction> or pretrained
     anchors: list[str] = field(default_factory=lambda: ["pf@1", "pretrained"])
+
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        problems = []
+        if not section.fractions or not all(0 < f <= 1 for f in section.fractions):
+            problems.append(f"{key}.fractions must be shares of the distilled prompts in (0, 1], "
+                            "e.g. [0.125,0.25,0.5,1]")
+        points = {"pretrained", *(f"{s.value}@{f:g}" for s in section.series for f in section.fractions)}
+        if unknown := [a for a in section.anchors if a not in points]:
+            problems.append(f"{key}.anchors: {', '.join(unknown)} not among the points; "
+                            f"valid: {', '.join(sorted(points))}")
+        if section.heldout_prompts < 1:
+            problems.append(f"{key}.heldout_prompts must be >= 1")
+        return problems
 
 
 @dataclass
