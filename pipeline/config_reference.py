@@ -96,11 +96,19 @@ def _meanings(tp: Any) -> str:
     return "; ".join(f"`{m.value}`: {comments[m.name]}" for m in enum if comments.get(m.name))
 
 
+def _enums(cls: type) -> set[type[Enum]]:
+    """The Enums of ``cls``'s fields, of their list items and of every section below."""
+    found = set()
+    for tp in typing.get_type_hints(cls).values():
+        tp = _strip_optional(tp)[0]
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else tp
+        found |= _enums(item) if dataclasses.is_dataclass(item) else {_enum(item)} - {None}
+    return found
+
+
 def undocumented_values() -> list[str]:
     """Enum values of the schemas without a comment (their meaning is part of the reference)."""
-    schemas = config.schemas.SCHEMAS.values()
-    enums = {_enum(tp) for cls in schemas for tp in typing.get_type_hints(cls).values()} - {None}
-    return sorted(f"{e.__name__}.{m.name}" for e in enums for m in e if not _comments(e).get(m.name))
+    return sorted(f"{e.__name__}.{m.name}" for e in _enums(config.Config) for m in e if not _comments(e).get(m.name))
 
 
 def _type_name(tp: Any) -> str:

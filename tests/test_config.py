@@ -9,7 +9,8 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.config import CONF_DIR, DEFAULT_RECIPE, RECIPES_DIR, REPO_ROOT, ConfigError, compose_config, options
+from pipeline.config import (CONF_DIR, DEFAULT_RECIPE, RECIPES_DIR, REPO_ROOT, USER_CONFIG_ENV, ConfigError,
+                             compose_config, options, with_overrides)
 
 RECIPES = options("recipe")
 LANGS = options("lang")
@@ -106,6 +107,8 @@ def test_paper_recipes_carry_the_paper_settings():
         (["scaling.series=[pf,both]"], "expected one of [pf, f_only, pf_on_policy, f_only_on_policy]"),
         (["data.back_translation=10", "data.sources=hub"], "data.back_translation works on offline sources"),
         (["data.back_translation=10", "lang=de-en", "lang.examples=[]"], "conf/lang/de-en.yaml has no `examples`"),
+        (["run=${nope}"], "run: Interpolation key 'nope' not found"),
+        (["train.pretrain.batch_size=${eval.device}"], "train.pretrain.batch_size: While dereferencing interpolation"),
     ],
 )
 def test_bad_input_is_a_one_line_error(overrides, expected):
@@ -114,6 +117,33 @@ def test_bad_input_is_a_one_line_error(overrides, expected):
     message = str(info.value)
     assert expected in message
     assert "\n" not in message
+
+
+def test_a_bad_file_in_the_config_dir_is_a_one_line_error(tmp_path, monkeypatch):
+    """Hydra's errors while it merges a file, or for a defaults list that names no file, say the key and the fix."""
+    monkeypatch.setenv(USER_CONFIG_ENV, str(tmp_path))
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "typo.yaml").write_text("name: typo\nsourc: hub\npath: x\n")
+    (tmp_path / "target" / "wrong.yaml").write_text("name: wrong\nsource: hubb\npath: x\n")
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "gone.yaml").write_text("defaults:\n  - specdraft\n  - override target: nope\n  - _self_\n"
+                                                   "recipe: gone\n")
+    expected = {"target=typo": "target.sourc: Key 'sourc' not in 'TargetConfig'; valid keys: name, source, path,",
+                "target=wrong": "target.source: Invalid value 'hubb', expected one of [gguf_package, hub, local, init]",
+                "recipe=gone": "a defaults list names 'target/nope', which no config directory has; valid: gemma"}
+    for override, message in expected.items():
+        with pytest.raises(ConfigError) as info:
+            compose_config([override])
+        assert str(info.value).startswith(message) and "\n" not in str(info.value), override
+
+
+def test_a_variant_with_a_bad_override_is_a_one_line_error():
+    cfg = compose_config(["recipe=ci"])
+    with pytest.raises(ConfigError, match=r"^train\.finetune\.lr: Value 'fast' of type 'str' could not be converted to "
+                                          r"Float$"):
+        with_overrides(cfg, ["train.finetune.lr=fast"])
+    with pytest.raises(ConfigError, match=r"^train\.finetune\.lrr: Key 'lrr' not in 'FinetuneConfig'; valid keys: lr,"):
+        with_overrides(cfg, ["train.finetune.lrr=1"])
 
 
 def test_unknown_lang_lists_every_valid_pair():

@@ -15,6 +15,6 @@ from pipeline.config.schemas import (DEVICE_SPEC, EVAL_METHODS, Config, ConfigEr
                                      PromptFormat, ScalingSeries, SourceKind, TrainConfig)
 
 __all__ = ["CONF_DIR", "DEFAULT_RECIPE", "DEVICE_SPEC", "EVAL_METHODS", "RECIPES_DIR", "REPO_ROOT", "USER_CONFIG_ENV",
-           "Config", "ConfigError", "Divergence", "FinetuneConfig", "FinetuneMode", "LangConfig", "LoggerBackend", "Loss",
-           "ModelSource", "ParallelDraftConfig", "PromptFormat", "ScalingSeries", "SourceKind", "TrainConfig",
+           "Config", "ConfigError", "Divergence", "FinetuneConfig", "FinetuneMode", "LangConfig", "LoggerBackend",
+           "Loss", "ModelSource", "ParallelDraftConfig", "PromptFormat", "ScalingSeries", "SourceKind", "TrainConfig",
            "compose_config", "last_of_each_key", "option_file", "options", "with_overrides"]

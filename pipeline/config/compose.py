@@ -4,8 +4,9 @@ line."""
 
 from __future__ import annotations
 
-import re
-from dataclasses import fields
+import dataclasses
+import typing
+from enum import Enum
 
 import yaml
 from hydra import compose, initialize_config_dir
@@ -13,11 +14,11 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from pipeline.config.checks import validate
 from pipeline.config.folders import CONF_DIR, GROUPS, RECIPES_DIR, check_choice, option_file, user_config_dir
-from pipeline.config.schemas import SCHEMAS, Config, ConfigError
+from pipeline.config.schemas import Config, ConfigError
 
 DEFAULT_RECIPE = "local"
 
@@ -26,17 +27,42 @@ ConfigStore.instance().store(name="specdraft_schema", node=Config)
 
 
 def _one_line(exc: BaseException) -> str:
-    """Hydra/OmegaConf errors span several lines; keep the innermost cause's first line and key."""
-    cause = exc
-    while isinstance(cause.__cause__, OmegaConfBaseException):
-        cause = cause.__cause__
-    text = str(cause)
-    full_key = re.search(r"full_key: (\S+)", text)
-    first = text.strip().splitlines()[0]
-    unknown = re.match(r"Key '[^']+' not in '(\w+)'", first)
-    if unknown and unknown.group(1) in SCHEMAS:
-        first += f"; valid keys: {', '.join(f.name for f in fields(SCHEMAS[unknown.group(1)]))}"
-    return f"{full_key.group(1)}: {first}" if full_key else first
+    """A Hydra or OmegaConf error, whose text spans lines, as one line that names the bad key and the fix: built from
+    the facts the exceptions carry (key, value, schema, options) where they carry them, not by rewriting their text."""
+    if isinstance(exc, MissingConfigException):  # a defaults list names a config no directory has
+        valid = f"; valid: {', '.join(exc.options)}" if exc.options else ""
+        return f"a defaults list names '{exc.missing_cfg_file}', which no config directory has{valid}"
+    error = _omegaconf_error(exc)
+    if error is None:  # Hydra's own (a group chosen twice, ...): its first line is the whole story
+        return str(exc).strip().splitlines()[0]
+    schema = error.object_type if dataclasses.is_dataclass(error.object_type) else None
+    if schema and isinstance(error, (ConfigAttributeError, ConfigKeyError)):
+        valid = ", ".join(f.name for f in dataclasses.fields(schema))
+        what = f"Key '{error.key}' not in '{schema.__name__}'; valid keys: {valid}"
+    elif isinstance(error, ValidationError) and (enum := _enum_type(error)):
+        what = f"Invalid value '{error.value}', expected one of [{', '.join(m.value for m in enum)}]"
+    else:  # a value of the wrong type, an interpolation to nothing: OmegaConf's first line says which
+        what = str(error).strip().splitlines()[0]
+    return f"{error.full_key}: {what}" if error.full_key else what
+
+
+def _omegaconf_error(exc: BaseException) -> OmegaConfBaseException | None:
+    """The OmegaConf error behind ``exc`` that knows its key: Hydra raises its own from it (``__cause__``, or
+    ``__context__`` where it raises inside the handler), OmegaConf re-raises one with the key from a bare one."""
+    while exc is not None:
+        if isinstance(exc, OmegaConfBaseException) and exc.full_key is not None:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _enum_type(error: OmegaConfBaseException) -> type[Enum] | None:
+    """The Enum a refused value had to be: the schema's field type, or the item type of a list of Enums."""
+    if dataclasses.is_dataclass(error.object_type):
+        declared = typing.get_type_hints(error.object_type).get(error.key)
+    else:  # an item of a list: the list's declared type, List[Enum]
+        declared = next(iter(typing.get_args(error.ref_type)), None)
+    return declared if isinstance(declared, type) and issubclass(declared, Enum) else None
 
 
 def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
@@ -69,9 +95,7 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
                 config_name=recipe,
                 overrides=[f"hydra.searchpath=[{','.join(f'file://{folder}' for folder in search)}]", *hydra_overrides],
             )
-    except MissingConfigException as exc:
-        raise ConfigError(_one_line(exc)) from exc
-    except (ConfigCompositionException, OmegaConfBaseException) as exc:
+    except (ConfigCompositionException, OmegaConfBaseException) as exc:  # MissingConfigException too
         raise ConfigError(_one_line(exc)) from exc
     except OverrideParseException as exc:
         reason = [line for line in exc.message.splitlines() if not line.startswith("See https")][-1]
@@ -104,7 +128,10 @@ def command_overrides(overrides) -> list[str]:
 
 def with_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     """A variant of a composed config: ``cfg`` with plain KEY=VALUE overrides (no config groups), validated."""
-    variant = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+    try:
+        variant = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_one_line(exc)) from exc
     variant.overrides = command_overrides([*cfg.overrides, *overrides])
     _check_against_schema(variant)
     validate(variant)
@@ -112,8 +139,10 @@ def with_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
 
 
 def _check_against_schema(cfg: DictConfig) -> None:
-    """`+key=value` adds keys Hydra does not check against the schema: merging into the schema does."""
+    """`+key=value` adds keys Hydra does not check against the schema: merging into the schema does. Resolving finds
+    an interpolation to no key or of the wrong type (but for the overrides: they keep a ``${...}`` as written)."""
     try:
         OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(cfg))
+        OmegaConf.to_container(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "overrides"]), resolve=True)
     except OmegaConfBaseException as exc:
         raise ConfigError(_one_line(exc)) from exc

@@ -561,9 +561,3 @@ class Config:
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     logger: LoggerConfig = MISSING
     paths: PathsConfig = MISSING
-
-
-SCHEMAS = {cls.__name__: cls for cls in (Config, TargetConfig, DrafterConfig, LangConfig, TranslationExample,
-                                         HubSourceConfig, DataConfig, CorpusConfig, DistillConfig, ServerConfig,
-                                         TrainGroupConfig, TrainConfig, FinetuneConfig, OnPolicyConfig, EvalConfig,
-                                         ExportConfig, ScalingConfig, LoggerConfig, PathsConfig)}
