@@ -13,7 +13,7 @@ import pytest
 from pipeline.registry import REGISTRY
 
 PACKAGE = Path(__file__).parents[1] / "pipeline"
-LOWER = ("speculative", "models", "training", "data", "serving")
+LOWER = ("config", "speculative", "models", "training", "data", "serving")
 UPPER = ("pipeline.stages", "pipeline.runner", "pipeline.cli", "pipeline.bench", "pipeline.demo", "pipeline.gpu_check")
 
 
