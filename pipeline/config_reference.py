@@ -87,9 +87,15 @@ def _enum(tp: Any) -> type[Enum] | None:
     return tp if isinstance(tp, type) and issubclass(tp, Enum) else None
 
 
+def _item(tp: Any) -> Any:
+    """The item type of a list type, else the type itself."""
+    return typing.get_args(tp)[0] if typing.get_origin(tp) is list else tp
+
+
 def _meanings(tp: Any) -> str:
-    """For an enum type, what each of its values means (the members' comments in pipeline/config/schemas.py)."""
-    enum = _enum(tp)
+    """For an enum type or a list of one, what each of its values means (the members' comments in
+    pipeline/config/schemas.py)."""
+    enum = _enum(_item(tp))
     if enum is None:
         return ""
     comments = _comments(enum)
@@ -100,8 +106,7 @@ def _enums(cls: type) -> set[type[Enum]]:
     """The Enums of ``cls``'s fields, of their list items and of every section below."""
     found = set()
     for tp in typing.get_type_hints(cls).values():
-        tp = _strip_optional(tp)[0]
-        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else tp
+        item = _item(_strip_optional(tp)[0])
         found |= _enums(item) if dataclasses.is_dataclass(item) else {_enum(item)} - {None}
     return found
 

@@ -18,7 +18,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from pipeline.config.checks import validate
 from pipeline.config.folders import CONF_DIR, GROUPS, RECIPES_DIR, check_choice, option_file, user_config_dir
-from pipeline.config.schemas import Config, ConfigError
+from pipeline.config.schemas import VALUE_HINTS, Config, ConfigError
 
 DEFAULT_RECIPE = "local"
 
@@ -41,6 +41,8 @@ def _one_line(exc: BaseException) -> str:
         what = f"Key '{error.key}' not in '{schema.__name__}'; valid keys: {valid}"
     elif isinstance(error, ValidationError) and (enum := _enum_type(error)):
         what = f"Invalid value '{error.value}', expected one of [{', '.join(m.value for m in enum)}]"
+        if hint := VALUE_HINTS.get(enum, {}).get(str(error.value)):
+            what += f"; {hint}"
     else:  # a value of the wrong type, an interpolation to nothing: OmegaConf's first line says which
         what = str(error).strip().splitlines()[0]
     return f"{error.full_key}: {what}" if error.full_key else what

@@ -78,6 +78,42 @@ class Loss(str, Enum):
     kd_total_variation = "kd_total_variation"  # total variation to the stored top logprobs
 
 
+# accelerate's names, handed to its Accelerator
+class MixedPrecision(str, Enum):
+    no = "no"  # no autocast
+    bf16 = "bf16"  # bfloat16 autocast
+    fp16 = "fp16"  # float16 autocast with loss scaling
+
+
+class ResumeMode(str, Enum):
+    auto = "auto"  # continue from the stage's latest checkpoint
+    never = "never"  # train from step 0, whatever checkpoints the stage's folder holds
+
+
+class EvalMethod(str, Enum):
+    target = "target"  # the target alone (the baseline, always run)
+    speculative = "speculative"  # speculative decoding with the drafter
+    pld = "pld"  # prompt lookup: drafts copied from the context after the last n-gram's earlier occurrence
+    hybrid = "hybrid"  # prompt lookup where the context has an n-gram match, the drafter elsewhere
+    hf = "hf"  # the target alone through transformers' generate
+    hf_assisted = "hf_assisted"  # transformers' assisted generation with the drafter (full-vocabulary drafters only)
+
+
+class EvalEngine(str, Enum):
+    transformers = "transformers"  # our decoding loop on transformers models (pipeline/speculative/engine.py)
+    vllm = "vllm"  # vLLM's own speculative decoding (draft_model) against vLLM's target alone, in eval-vllm/
+
+
+# eval.methods' values as plain strings (the eval stage adds the router on its own mixed prompt set)
+EVAL_METHODS = tuple(method.value for method in EvalMethod)
+# Values an Enum-typed key refuses that users reach for, with what to write instead: the composition error
+# (pipeline/config/compose.py) says it after the valid values.
+VALUE_HINTS: dict[type[Enum], dict[str, str]] = {
+    EvalMethod: {"router": "the router is not a method; set eval.router_langs=[de-en,fr-en] to run it"},
+    MixedPrecision: {"False": 'YAML reads an unquoted no as false: write "no"'},
+}
+
+
 @dataclass
 class TargetConfig:
     name: str = MISSING  # short id, used in run-directory paths
@@ -317,10 +353,10 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per optimizer step
     max_length: int = 512  # tokens per training sequence
     grad_clip: float = 1.0  # gradient-norm clip
-    mixed_precision: str = "no"  # no | bf16 (accelerate's names)
+    mixed_precision: MixedPrecision = MixedPrecision.no  # autocast of the training step
     log_every: int = 10  # steps between logged metrics
     save_every: int = 200  # steps between checkpoints
-    resume: str = "auto"  # auto: continue from the stage's latest checkpoint | never
+    resume: ResumeMode = ResumeMode.auto  # whether a rerun continues from a checkpoint
     launch: str = "single"  # recipes/launch/<launch>.yaml
     # processes over all nodes, or auto: every local GPU (times SLURM_NNODES in a multi-node job), 1 without one
     num_processes: Any = 1
@@ -337,10 +373,6 @@ class TrainConfig:
         elif tc.num_processes != "auto" and tc.batch_size % (tc.grad_accum * tc.num_processes):
             problems.append(f"{key}.batch_size {tc.batch_size} (global) must be divisible by "
                             f"grad_accum x num_processes = {tc.grad_accum * tc.num_processes}")
-        if tc.resume not in ("auto", "never"):
-            problems.append(f"{key}.resume must be auto or never")
-        if tc.mixed_precision not in ("no", "bf16", "fp16"):
-            problems.append(f"{key}.mixed_precision must be one of no, bf16, fp16")
         return problems
 
 
@@ -410,10 +442,6 @@ class TrainGroupConfig:
                 + FinetuneConfig.check(section.finetune, f"{key}.finetune"))
 
 
-# What eval.methods may name (the eval stage adds the router on its own mixed prompt set).
-EVAL_METHODS = ("target", "speculative", "pld", "hybrid", "hf", "hf_assisted")
-
-
 @dataclass
 class EvalConfig:
     num_draft_tokens: int = 4  # K
@@ -428,15 +456,13 @@ class EvalConfig:
     num_prompts: int = 50  # held-out prompts measured
     repetitions: int = 3  # timed repetitions per method
     warmup: int = 1  # untimed runs before timing
-    # target (always run: the baseline) | speculative | pld | hybrid (prompt lookup, else the drafter)
-    # | hf (transformers generate) | hf_assisted
-    methods: list[str] = field(default_factory=lambda: ["target", "speculative", "pld", "hybrid", "hf", "hf_assisted"])
+    methods: list[EvalMethod] = field(default_factory=lambda: list(EvalMethod))  # the decoding methods timed
     drafter_path: Optional[str] = None  # any HF folder instead of the finetune stage's drafter
     matrix_langs: list[str] = field(default_factory=list)  # cross-language: evaluate on these pairs too
     # language router: a `mixed` set of these pairs' held-out prompts, each drafted by the finetuned drafter
     # of its detected source language, against the one eval drafter for all
     router_langs: list[str] = field(default_factory=list)
-    engine: str = "transformers"  # transformers | vllm
+    engine: EvalEngine = EvalEngine.transformers  # what decodes and is timed
     device: str = "auto"  # auto (CUDA when visible, else CPU) | cpu | cuda | cuda:N: target, drafters, every tensor
     # processes that decode disjoint shares of the prompts, each on its own GPU: auto = every visible GPU (1 without
     # CUDA, or with eval.device=cuda:N) | N; the same counts and acceptance as one process
@@ -467,16 +493,9 @@ class EvalConfig:
                             "valid: bfloat16, float16")
         if ev.tie_tolerance < 0:
             problems.append(f"{key}.tie_tolerance must be >= 0 (a top-2 logit gap)")
-        if ev.engine not in ("transformers", "vllm"):
-            problems.append(f"{key}.engine must be transformers or vllm")
         if not 0 <= ev.draft_confidence < 1:
             problems.append(f"{key}.draft_confidence must be in [0, 1): the drafter probability below which a draft "
                             "stops")
-        if "router" in ev.methods:
-            problems.append(f"{key}.methods: the router is not a method; set {key}.router_langs=[de-en,fr-en] "
-                            "to run it")
-        elif unknown := [m for m in ev.methods if m not in EVAL_METHODS]:
-            problems.append(f"{key}.methods: unknown {', '.join(unknown)}; valid: {', '.join(EVAL_METHODS)}")
         sources = [pair.split("-")[0] for pair in ev.router_langs]
         if ev.router_langs and (len(sources) < 2 or len(set(sources)) < len(sources)):
             problems.append(f"{key}.router_langs needs two or more pairs with different source languages, "
