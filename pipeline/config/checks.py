@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from pipeline.config.folders import options
 from pipeline.config.schemas import (ConfigError, DataConfig, DistillConfig, DrafterConfig, EvalConfig, ExportConfig,
@@ -22,7 +22,7 @@ def validate(cfg: DictConfig) -> None:
     """Raise a ConfigError naming every problem of a composed config, in one line."""
     problems = _top_level(cfg)
     for key, schema in SECTIONS.items():
-        problems += schema.check(OmegaConf.select(cfg, key), key)
+        problems += schema.check(cfg[key], key)
     problems += _named_files(cfg) + _across_sections(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
