@@ -9,8 +9,17 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.config import (CONF_DIR, DEFAULT_RECIPE, RECIPES_DIR, REPO_ROOT, USER_CONFIG_ENV, ConfigError,
-                             compose_config, options, with_overrides)
+from pipeline.config import (
+    CONF_DIR,
+    DEFAULT_RECIPE,
+    RECIPES_DIR,
+    REPO_ROOT,
+    USER_CONFIG_ENV,
+    ConfigError,
+    compose_config,
+    options,
+    with_overrides,
+)
 
 RECIPES = options("recipe")
 LANGS = options("lang")

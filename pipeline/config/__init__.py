@@ -10,9 +10,24 @@ The names below are the ones the rest of the pipeline imports: ``from pipeline.c
 
 from pipeline.config.compose import DEFAULT_RECIPE, compose_config, last_of_each_key, with_overrides
 from pipeline.config.folders import CONF_DIR, RECIPES_DIR, REPO_ROOT, USER_CONFIG_ENV, option_file, options
-from pipeline.config.schemas import (DEVICE_SPEC, EVAL_METHODS, Config, ConfigError, Divergence, FinetuneConfig,
-                                     FinetuneMode, LangConfig, LoggerBackend, Loss, ModelSource, ParallelDraftConfig,
-                                     PromptFormat, ScalingSeries, SourceKind, TrainConfig)
+from pipeline.config.schemas import (
+    DEVICE_SPEC,
+    EVAL_METHODS,
+    Config,
+    ConfigError,
+    Divergence,
+    FinetuneConfig,
+    FinetuneMode,
+    LangConfig,
+    LoggerBackend,
+    Loss,
+    ModelSource,
+    ParallelDraftConfig,
+    PromptFormat,
+    ScalingSeries,
+    SourceKind,
+    TrainConfig,
+)
 
 __all__ = ["CONF_DIR", "DEFAULT_RECIPE", "DEVICE_SPEC", "EVAL_METHODS", "RECIPES_DIR", "REPO_ROOT", "USER_CONFIG_ENV",
            "Config", "ConfigError", "Divergence", "FinetuneConfig", "FinetuneMode", "LangConfig", "LoggerBackend",

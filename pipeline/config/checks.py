@@ -9,8 +9,18 @@ import re
 from omegaconf import DictConfig
 
 from pipeline.config.folders import options
-from pipeline.config.schemas import (ConfigError, DataConfig, DistillConfig, DrafterConfig, EvalConfig, ExportConfig,
-                                     ScalingConfig, SourceKind, TargetConfig, TrainGroupConfig)
+from pipeline.config.schemas import (
+    ConfigError,
+    DataConfig,
+    DistillConfig,
+    DrafterConfig,
+    EvalConfig,
+    ExportConfig,
+    ScalingConfig,
+    SourceKind,
+    TargetConfig,
+    TrainGroupConfig,
+)
 
 RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 # The sections with checks of their own, by key.
