@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -43,7 +44,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.config import REPO_ROOT, ConfigError, SourceKind, config_hash, last_of_each_key, sections
+from pipeline.config import REPO_ROOT, ConfigError, SourceKind, last_of_each_key
 from pipeline.durable import write_atomic
 from pipeline.models.drafter import published_weights
 from pipeline.models.provision import fingerprint, hub_snapshot, is_local, model_fingerprint
@@ -79,6 +80,23 @@ def git_revision() -> str:
         return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def sections(cfg: DictConfig, keys: list[str]) -> dict[str, Any]:
+    """Plain-data copies of the config sections named by dotted keys."""
+    out = {}
+    for key in keys:
+        node = OmegaConf.select(cfg, key)
+        out[key] = OmegaConf.to_container(node, resolve=True, enum_to_str=True) if OmegaConf.is_config(node) else node
+    return out
+
+
+def config_hash(cfg: DictConfig, keys: list[str], upstream: dict[str, str] | None = None) -> str:
+    """A stable hash of the config sections a stage depends on and of its inputs' hashes."""
+    parts = sections(cfg, keys)
+    parts["upstream"] = dict(sorted((upstream or {}).items()))
+    text = OmegaConf.to_yaml(OmegaConf.create(parts), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def make_command(cfg: DictConfig, stage: str, args: tuple[str, ...] = ()) -> str:

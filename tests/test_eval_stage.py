@@ -194,7 +194,8 @@ def test_matrix_langs_are_checked_and_switch_the_language(ci_cfg):
     assert (other.lang.pair, other.lang.src_name) == ("fr-en", "French") and ci_cfg.lang.pair == "de-en"
     with pytest.raises(ConfigError, match="eval.matrix_langs: unknown xx-en"):
         compose_config(["recipe=ci", "eval.matrix_langs=[fr-en,xx-en]"])
-    with pytest.raises(ConfigError, match="eval.methods: unknown beam"):
+    with pytest.raises(ConfigError, match=r"eval\.methods\[1\]: Invalid value 'beam', expected one of "
+                                          r"\[target, speculative, pld, hybrid, hf, hf_assisted\]"):
         compose_config(["recipe=ci", "eval.methods=[target,beam]"])
 
 

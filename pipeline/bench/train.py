@@ -89,7 +89,7 @@ def main(out_dir: Path, settings: BenchSettings) -> dict:
         "drafter": cfg.drafter.name,
         "drafter_vocab": vocab.drafter_vocab_size if vocab else None,
         "batch": f"{tc.batch_size}x{tc.max_length}",
-        "precision": tc.mixed_precision,
+        "precision": tc.mixed_precision.value,
         "steps": STEPS,
         **{f"{name}_{key}": round(value, 1) for (name, key), value in best.items()},
         "speedup_cpu_time": round(best["ours", "tokens_per_cpu_s"] / best["trainer", "tokens_per_cpu_s"], 3),

@@ -246,7 +246,8 @@ def train(
     tensor of each part's loss sum and count, logged as ``loss_<part>``; default: ``tc.loss`` on the labels. ``sample_seed``
     is fixed by (seed, step, micro-batch, rank), so an objective that samples resumes reproducibly.
     ``evaluate(model)``, if given, runs at every checkpoint step and its metrics join that step's log line."""
-    accelerator = Accelerator(mixed_precision=tc.mixed_precision, gradient_accumulation_steps=tc.grad_accum)
+    # .value: str() of a (str, Enum) member is its qualified name, which accelerate refuses
+    accelerator = Accelerator(mixed_precision=tc.mixed_precision.value, gradient_accumulation_steps=tc.grad_accum)
     objective = objective or supervised_objective(Loss(tc.get("loss", Loss.ce)))  # pretraining has no KD option
     world = accelerator.num_processes
     local_batch, steps_per_epoch, total_steps = plan_steps(tc, len(examples), world)

@@ -1,40 +1,30 @@
-"""Structured-config schemas and composition.
+"""The structured-config schemas: one dataclass per section of the config, the Enums of its closed sets of
+values, and the constants they are checked against.
 
-Every Hydra group in ``conf/`` is typed by a dataclass below, so a typo'd key, a wrong type or an
-unknown enum value fails when the config is composed, before any compute. ``recipes/NAME.yaml`` are
-primary configs (complete named experiments) selected with ``recipe=NAME``.
+Every Hydra group in ``conf/`` is typed by a dataclass below, so a typo'd key, a wrong type or an unknown enum
+value fails when the config is composed, before any compute. The comments on fields and enum members are the
+help text of docs/configuration.md (pipeline/config_reference.py reads them).
+
+A section whose rules its types cannot express has a ``check(section, key)``: the problems of that composed
+section (the DictConfig at the dotted ``key``), each a message that names its key; ``validate``
+(pipeline/config/checks.py) calls them and adds the checks across sections.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-from hydra import compose, initialize_config_dir
-from hydra.core.config_store import ConfigStore
-from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
-from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import MISSING, DictConfig
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-REPO_ROOT = PACKAGE_DIR.parent
-# The shipped configs; pipeline/conf and pipeline/recipes link to the top-level folders, so a wheel carries them.
-CONF_DIR = PACKAGE_DIR / "conf"
-RECIPES_DIR = PACKAGE_DIR / "recipes"
-# A user's config directory, laid out like conf/ (target/, lang/, drafter/, ...) plus an optional recipes/:
-# its files add to the shipped ones and, under the same name, replace them. `specdraft --config-dir` sets it,
-# so child processes (accelerate workers, Slurm jobs) see the same configs.
-USER_CONFIG_ENV = "SPECDRAFT_CONFIG_DIR"
-DEFAULT_RECIPE = "local"
 DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")  # eval.device
-RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+
+
+def _positive_or_auto(count: Any) -> bool:
+    """A process or replica count (typed Any): a positive integer or auto."""
+    return count == "auto" or isinstance(count, int) and count >= 1
 
 
 class ConfigError(ValueError):
@@ -88,6 +78,42 @@ class Loss(str, Enum):
     kd_total_variation = "kd_total_variation"  # total variation to the stored top logprobs
 
 
+# accelerate's names, handed to its Accelerator
+class MixedPrecision(str, Enum):
+    no = "no"  # no autocast
+    bf16 = "bf16"  # bfloat16 autocast
+    fp16 = "fp16"  # float16 autocast with loss scaling
+
+
+class ResumeMode(str, Enum):
+    auto = "auto"  # continue from the stage's latest checkpoint
+    never = "never"  # train from step 0, whatever checkpoints the stage's folder holds
+
+
+class EvalMethod(str, Enum):
+    target = "target"  # the target alone (the baseline, always run)
+    speculative = "speculative"  # speculative decoding with the drafter
+    pld = "pld"  # prompt lookup: drafts copied from the context after the last n-gram's earlier occurrence
+    hybrid = "hybrid"  # prompt lookup where the context has an n-gram match, the drafter elsewhere
+    hf = "hf"  # the target alone through transformers' generate
+    hf_assisted = "hf_assisted"  # transformers' assisted generation with the drafter (full-vocabulary drafters only)
+
+
+class EvalEngine(str, Enum):
+    transformers = "transformers"  # our decoding loop on transformers models (pipeline/speculative/engine.py)
+    vllm = "vllm"  # vLLM's own speculative decoding (draft_model) against vLLM's target alone, in eval-vllm/
+
+
+# eval.methods' values as plain strings (the eval stage adds the router on its own mixed prompt set)
+EVAL_METHODS = tuple(method.value for method in EvalMethod)
+# Values an Enum-typed key refuses that users reach for, with what to write instead: the composition error
+# (pipeline/config/compose.py) says it after the valid values.
+VALUE_HINTS: dict[type[Enum], dict[str, str]] = {
+    EvalMethod: {"router": "the router is not a method; set eval.router_langs=[de-en,fr-en] to run it"},
+    MixedPrecision: {"False": 'YAML reads an unquoted no as false: write "no"'},
+}
+
+
 @dataclass
 class TargetConfig:
     name: str = MISSING  # short id, used in run-directory paths
@@ -112,6 +138,10 @@ class TargetConfig:
     # dry runs: a tiny random-init model of this architecture, with the real tokenizer, replaces the weights
     stand_in: bool = False
 
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        return [f"{key}.source=init is only for drafters"] if section.source == ModelSource.init else []
+
 
 @dataclass
 class DrafterConfig:
@@ -135,6 +165,23 @@ class DrafterConfig:
     embeddings_from_target: bool = False
     # source=init: start this shape from these weights (hub id or folder; paper-vicuna: double7/vicuna-68m), not random
     init_from: Optional[str] = None
+
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        d, problems = section, []
+        if d.source == ModelSource.init and d.hidden_size % d.num_heads:
+            problems.append(f"{key}.hidden_size {d.hidden_size} is not divisible by {key}.num_heads {d.num_heads}")
+        if d.num_kv_heads is not None and d.num_heads % d.num_kv_heads:
+            problems.append(f"{key}.num_heads {d.num_heads} is not divisible by {key}.num_kv_heads {d.num_kv_heads}")
+        if d.embeddings_from_target and d.source != ModelSource.init:
+            problems.append(f"{key}.embeddings_from_target starts new weights: it needs {key}.source=init, "
+                            f"not {d.source.value}")
+        if d.init_from and (d.source != ModelSource.init or d.reduced_vocab is not None):
+            problems.append(f"{key}.init_from starts a source=init drafter of the full vocabulary from published "
+                            f"weights; unset {key}.reduced_vocab and use {key}.source=init, or drop init_from")
+        if d.source in (ModelSource.hub, ModelSource.local) and not d.path:
+            problems.append(f"{key}.source={d.source.value} needs {key}.path")
+        return problems
 
 
 @dataclass
@@ -192,10 +239,26 @@ class DataConfig:
     pretrain_corpora: list[CorpusConfig] = field(default_factory=lambda: [CorpusConfig(name="sharegpt")])
     pretrain_max_documents: Optional[int] = None  # cap on pretraining documents (None: the token budget decides)
 
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        problems = []
+        if any(corpus.weight <= 0 for corpus in section.pretrain_corpora):
+            problems.append(f"{key}.pretrain_corpora: every weight must be > 0 (a share of the pretraining tokens)")
+        if not 0 <= section.heldout_fraction < 1:
+            problems.append(f"{key}.heldout_fraction must be in [0, 1)")
+        if section.sources == SourceKind.file and not section.source_file:
+            problems.append(f"{key}.sources=file needs {key}.source_file")
+        if section.back_translation < 0:
+            problems.append(f"{key}.back_translation must be >= 0")
+        elif section.back_translation and section.sources != SourceKind.offline:
+            problems.append(f"{key}.back_translation works on offline sources (ShareGPT); set {key}.back_translation=0")
+        return problems
+
 
 @dataclass
 class ServerConfig:
-    url: Optional[str] = None  # an external OpenAI-compatible endpoint (its key from $OPENAI_API_KEY); None: start vLLM here
+    # an external OpenAI-compatible endpoint (its key from $OPENAI_API_KEY); None: start vLLM here
+    url: Optional[str] = None
     startup_timeout_s: float = 600.0  # how long to wait for the local vLLM server
     # None: target.dtype (vLLM's auto would serve float32 and float16 configs in half precision)
     dtype: Optional[str] = None
@@ -207,6 +270,15 @@ class ServerConfig:
     cpu_kvcache_gb: int = 2  # VLLM_CPU_KVCACHE_SPACE of the CPU build
     enforce_eager: bool = True  # no graph capture: right on CPU; GPU recipes set false for CUDA graphs
     extra_args: list[str] = field(default_factory=list)  # more vllm serve arguments
+
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        problems = []
+        if section.tensor_parallel < 1:
+            problems.append(f"{key}.tensor_parallel must be >= 1")
+        if not _positive_or_auto(section.data_parallel):
+            problems.append(f"{key}.data_parallel must be a positive integer or auto, not {section.data_parallel}")
+        return problems
 
 
 @dataclass
@@ -229,6 +301,19 @@ class DistillConfig:
     shard: int = 0  # this job's slice: 0 <= shard < num_shards
     server: ServerConfig = field(default_factory=ServerConfig)
 
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        problems = []
+        if not 0 <= section.max_failed_share < 1:
+            problems.append(f"{key}.max_failed_share must be in [0, 1): the share of records a complete distill "
+                            "may lack")
+        if section.concurrency_per_replica < 1:
+            problems.append(f"{key}.concurrency_per_replica must be >= 1")
+        if section.num_shards < 1 or not 0 <= section.shard < section.num_shards:
+            problems.append(f"{key}.shard={section.shard} of {key}.num_shards={section.num_shards}: "
+                            "need num_shards >= 1 and 0 <= shard < num_shards")
+        return problems + ServerConfig.check(section.server, f"{key}.server")
+
 
 @dataclass
 class ParallelDraftConfig:
@@ -244,6 +329,15 @@ class ParallelDraftConfig:
     # unused special token or a padding row); a reduced vocabulary's gets an id of its own
     mask_token: Optional[int] = None
 
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        problems = []
+        if section.enabled and section.k < 2:
+            problems.append(f"{key}.k must be >= 2: the positions drafted in one forward")
+        if section.enabled and not 0 < section.min_retention <= section.retention <= 1:
+            problems.append(f"{key}: need 0 < min_retention <= retention <= 1")
+        return problems
+
 
 @dataclass
 class TrainConfig:
@@ -252,26 +346,41 @@ class TrainConfig:
     warmup_ratio: float = 0.03  # share of the steps spent warming up linearly
     epochs: float = 1.0  # passes over the data
     max_steps: Optional[int] = None  # cap on optimizer steps (None: epochs and token_budget decide)
-    # tokens read and trained on: pretraining reads this many from its corpora; caps steps at budget / (batch_size * max_length)
+    # tokens read and trained on: pretraining reads this many from its corpora; caps steps at
+    # budget / (batch_size * max_length)
     token_budget: Optional[int] = None
     batch_size: int = 8  # sequences per optimizer step over ALL processes: split into grad_accum x num_processes
     grad_accum: int = 1  # micro-batches per optimizer step
     max_length: int = 512  # tokens per training sequence
     grad_clip: float = 1.0  # gradient-norm clip
-    mixed_precision: str = "no"  # no | bf16 (accelerate's names)
+    mixed_precision: MixedPrecision = MixedPrecision.no  # autocast of the training step
     log_every: int = 10  # steps between logged metrics
     save_every: int = 200  # steps between checkpoints
-    resume: str = "auto"  # auto: continue from the stage's latest checkpoint | never
+    resume: ResumeMode = ResumeMode.auto  # whether a rerun continues from a checkpoint
     launch: str = "single"  # recipes/launch/<launch>.yaml
     # processes over all nodes, or auto: every local GPU (times SLURM_NNODES in a multi-node job), 1 without one
     num_processes: Any = 1
     parallel_draft: ParallelDraftConfig = field(default_factory=ParallelDraftConfig)
 
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        tc = section
+        problems = ParallelDraftConfig.check(tc.parallel_draft, f"{key}.parallel_draft")
+        if not 0 <= tc.warmup_ratio < 1:
+            problems.append(f"{key}.warmup_ratio must be in [0, 1)")
+        if not _positive_or_auto(tc.num_processes):
+            problems.append(f"{key}.num_processes must be a positive integer or auto, not {tc.num_processes}")
+        elif tc.num_processes != "auto" and tc.batch_size % (tc.grad_accum * tc.num_processes):
+            problems.append(f"{key}.batch_size {tc.batch_size} (global) must be divisible by "
+                            f"grad_accum x num_processes = {tc.grad_accum * tc.num_processes}")
+        return problems
+
 
 @dataclass
 class OnPolicyConfig:
     """On-policy alignment after SFT (pipeline/training/on_policy.py): the drafter drafts, the target scores."""
-    enabled: bool = False  # run the phase after SFT (off: it did not pay on CPU, docs/results/2026-11-24-on-policy-de-en.md)
+    # run the phase after SFT (off: it did not pay on CPU, docs/results/2026-11-24-on-policy-de-en.md)
+    enabled: bool = False
     # each: steps_per_round rollout -> score -> train steps, then a checkpoint and the held-out estimate
     rounds: int = 4
     steps_per_round: int = 25  # optimizer steps per round
@@ -283,6 +392,16 @@ class OnPolicyConfig:
     divergence: Divergence = Divergence.total_variation
     lr: float = 1.0e-4  # learning rate of the alignment
     heldout_prompts: int = 16  # distilled prompts neither SFT nor the alignment trains on: the per-round estimate
+
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        op, problems = section, []
+        if op.enabled and min(op.rounds, op.steps_per_round, op.batch_size, op.rollout_tokens, op.heldout_prompts) < 1:
+            problems.append(f"{key}: rounds, steps_per_round, batch_size, rollout_tokens and heldout_prompts must be "
+                            ">= 1")
+        if op.rollout_temperature < 0:
+            problems.append(f"{key}.rollout_temperature must be >= 0")
+        return problems
 
 
 @dataclass
@@ -301,15 +420,26 @@ class FinetuneConfig(TrainConfig):
     pack: bool = False
     on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
 
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        problems = TrainConfig.check(section, key)
+        if section.parallel_draft.enabled and section.on_policy.enabled:
+            problems.append(f"{key}.on_policy aligns an autoregressive drafter's rollouts; it does not train "
+                            "parallel drafting: turn one of them off")
+        if not 0 < section.data_fraction <= 1:
+            problems.append(f"{key}.data_fraction must be in (0, 1]: the share of the distilled prompts trained on")
+        return problems + OnPolicyConfig.check(section.on_policy, f"{key}.on_policy")
+
 
 @dataclass
 class TrainGroupConfig:
     pretrain: TrainConfig = field(default_factory=TrainConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
-
-# What eval.methods may name (the eval stage adds the router on its own mixed prompt set).
-EVAL_METHODS = ("target", "speculative", "pld", "hybrid", "hf", "hf_assisted")
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        return (TrainConfig.check(section.pretrain, f"{key}.pretrain")
+                + FinetuneConfig.check(section.finetune, f"{key}.finetune"))
 
 
 @dataclass
@@ -326,15 +456,13 @@ class EvalConfig:
     num_prompts: int = 50  # held-out prompts measured
     repetitions: int = 3  # timed repetitions per method
     warmup: int = 1  # untimed runs before timing
-    # target (always run: the baseline) | speculative | pld | hybrid (prompt lookup, else the drafter)
-    # | hf (transformers generate) | hf_assisted
-    methods: list[str] = field(default_factory=lambda: ["target", "speculative", "pld", "hybrid", "hf", "hf_assisted"])
+    methods: list[EvalMethod] = field(default_factory=lambda: list(EvalMethod))  # the decoding methods timed
     drafter_path: Optional[str] = None  # any HF folder instead of the finetune stage's drafter
     matrix_langs: list[str] = field(default_factory=list)  # cross-language: evaluate on these pairs too
     # language router: a `mixed` set of these pairs' held-out prompts, each drafted by the finetuned drafter
     # of its detected source language, against the one eval drafter for all
     router_langs: list[str] = field(default_factory=list)
-    engine: str = "transformers"  # transformers | vllm
+    engine: EvalEngine = EvalEngine.transformers  # what decodes and is timed
     device: str = "auto"  # auto (CUDA when visible, else CPU) | cpu | cuda | cuda:N: target, drafters, every tensor
     # processes that decode disjoint shares of the prompts, each on its own GPU: auto = every visible GPU (1 without
     # CUDA, or with eval.device=cuda:N) | N; the same counts and acceptance as one process
@@ -351,12 +479,39 @@ class EvalConfig:
     # {num_draft_tokens, k_sweep} predicted fastest, τ(K) / (K·c + v(K)) (false: num_draft_tokens for every method)
     choose_k: bool = True
 
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        ev, problems = section, []
+        if ev.num_draft_tokens < 1:
+            problems.append(f"{key}.num_draft_tokens (K) must be >= 1")
+        if not DEVICE_SPEC.fullmatch(ev.device):
+            problems.append(f"{key}.device={ev.device} is not a device; use auto, cpu, cuda or cuda:N")
+        if not _positive_or_auto(ev.processes):
+            problems.append(f"{key}.processes must be a positive integer or auto, not {ev.processes}")
+        if unknown := [d for d in ev.dtype_candidates if d not in ("bfloat16", "float16")]:
+            problems.append(f"{key}.dtype_candidates: {', '.join(map(str, unknown))} not a half-precision dtype; "
+                            "valid: bfloat16, float16")
+        if ev.tie_tolerance < 0:
+            problems.append(f"{key}.tie_tolerance must be >= 0 (a top-2 logit gap)")
+        if not 0 <= ev.draft_confidence < 1:
+            problems.append(f"{key}.draft_confidence must be in [0, 1): the drafter probability below which a draft "
+                            "stops")
+        sources = [pair.split("-")[0] for pair in ev.router_langs]
+        if ev.router_langs and (len(sources) < 2 or len(set(sources)) < len(sources)):
+            problems.append(f"{key}.router_langs needs two or more pairs with different source languages, "
+                            "e.g. [de-en,fr-en]")
+        return problems
+
 
 @dataclass
 class ExportConfig:
     # held-out prompts of the export's smoke check: greedy output with the exported drafter equals the target's
     # own, and its T=1 acceptance equals our engine's with the same drafter (eval.seeds, K, max_new_tokens)
     num_prompts: int = 8
+
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        return [f"{key}.num_prompts must be >= 1"] if section.num_prompts < 1 else []
 
 
 @dataclass
@@ -372,6 +527,20 @@ class ScalingConfig:
     # points also measured by the eval stage (target vs speculative, first seed): <series>@<fraction> or pretrained
     anchors: list[str] = field(default_factory=lambda: ["pf@1", "pretrained"])
 
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        problems = []
+        if not section.fractions or not all(0 < f <= 1 for f in section.fractions):
+            problems.append(f"{key}.fractions must be shares of the distilled prompts in (0, 1], "
+                            "e.g. [0.125,0.25,0.5,1]")
+        points = {"pretrained", *(f"{s.value}@{f:g}" for s in section.series for f in section.fractions)}
+        if unknown := [a for a in section.anchors if a not in points]:
+            problems.append(f"{key}.anchors: {', '.join(unknown)} not among the points; "
+                            f"valid: {', '.join(sorted(points))}")
+        if section.heldout_prompts < 1:
+            problems.append(f"{key}.heldout_prompts must be >= 1")
+        return problems
+
 
 @dataclass
 class LoggerConfig:
@@ -384,8 +553,10 @@ class LoggerConfig:
 @dataclass
 class PathsConfig:
     runs_dir: str = "runs"  # stage outputs: runs/<target>/<drafter>/...
-    models_dir: str = "models"  # models converted from GGUF and dry runs' stand-ins (hub models: the HF cache, $HF_HOME)
-    cache_dir: str = "runs/cache"  # derived data: translation sources, hub rows, pretraining tokens, `make prepare` records
+    # models converted from GGUF and dry runs' stand-ins (hub models: the HF cache, $HF_HOME)
+    models_dir: str = "models"
+    # derived data: translation sources, hub rows, pretraining tokens, `make prepare` records
+    cache_dir: str = "runs/cache"
 
 
 @dataclass
@@ -409,283 +580,3 @@ class Config:
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     logger: LoggerConfig = MISSING
     paths: PathsConfig = MISSING
-
-
-ConfigStore.instance().store(name="specdraft_schema", node=Config)
-SCHEMAS = {cls.__name__: cls for cls in (Config, TargetConfig, DrafterConfig, LangConfig, TranslationExample,
-                                         HubSourceConfig, DataConfig,
-                                         CorpusConfig, DistillConfig, ServerConfig, TrainGroupConfig, TrainConfig,
-                                         FinetuneConfig, OnPolicyConfig, EvalConfig, ExportConfig, ScalingConfig, LoggerConfig,
-                                         PathsConfig)}
-
-GROUPS = ("target", "drafter", "lang", "data", "distill", "train", "eval", "logger", "paths", "dry_run")
-
-
-def user_config_dir() -> Path | None:
-    value = os.environ.get(USER_CONFIG_ENV)
-    if not value:
-        return None
-    path = Path(value).expanduser().resolve()
-    if not path.is_dir():
-        raise ConfigError(f"config directory {value} ({USER_CONFIG_ENV} or --config-dir) does not exist; "
-                          "create it with the layout of conf/ (target/, lang/, ..., recipes/) or unset it")
-    return path
-
-
-def _group_folders(group: str) -> list[Path]:
-    """Where a group's yaml files live, the user's directory first. ``recipe`` is recipes/, ``launch``
-    recipes/launch/ (accelerate configs)."""
-    shipped = {"recipe": RECIPES_DIR, "launch": RECIPES_DIR / "launch"}.get(group, CONF_DIR / group)
-    user = user_config_dir()
-    return ([user / _user_folder(group)] if user else []) + [shipped]
-
-
-def _user_folder(group: str) -> str:
-    return {"recipe": "recipes", "launch": "recipes/launch"}.get(group, group)
-
-
-def options(group: str) -> list[str]:
-    """The valid options of a config group (``recipe`` lists ``recipes/``), the user's directory included."""
-    return sorted({p.stem for folder in _group_folders(group) for p in folder.glob("*.yaml")})
-
-
-def option_file(group: str, name: str) -> Path:
-    """The yaml file of a group's option: the user's directory's if it has one, else the shipped one."""
-    _check_choice(group, name)
-    return next(folder / f"{name}.yaml" for folder in _group_folders(group) if (folder / f"{name}.yaml").is_file())
-
-
-def _check_choice(group: str, choice: str) -> None:
-    valid = options(group)
-    if choice not in valid:
-        hint = " (LANG=… on the make command line)" if group == "lang" else ""
-        raise ConfigError(f"unknown {group} '{choice}'{hint}; valid: {', '.join(valid)}; "
-                          f"or write your own as DIR/{_user_folder(group)}/{choice}.yaml and pass --config-dir DIR")
-
-
-def _one_line(exc: BaseException) -> str:
-    """Hydra/OmegaConf errors span several lines; keep the innermost cause's first line and key."""
-    cause = exc
-    while isinstance(cause.__cause__, OmegaConfBaseException):
-        cause = cause.__cause__
-    text = str(cause)
-    full_key = re.search(r"full_key: (\S+)", text)
-    first = text.strip().splitlines()[0]
-    unknown = re.match(r"Key '[^']+' not in '(\w+)'", first)
-    if unknown and unknown.group(1) in SCHEMAS:
-        first += f"; valid keys: {', '.join(f.name for f in fields(SCHEMAS[unknown.group(1)]))}"
-    return f"{full_key.group(1)}: {first}" if full_key else first
-
-
-def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
-    """Compose ``recipes/<recipe>.yaml`` with command-line style overrides and validate it.
-
-    ``recipe=NAME`` among the overrides selects the recipe (default: ``local``).
-    Raises ConfigError with a one-line message for any invalid input.
-    """
-    recipe = DEFAULT_RECIPE
-    hydra_overrides = []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"override '{item}' is not KEY=VALUE")
-        if key == "recipe":
-            recipe = value
-            continue
-        if key.lstrip("+~") in GROUPS:
-            _check_choice(key.lstrip("+~"), value)
-        hydra_overrides.append(item)
-    recipe_file = option_file("recipe", recipe)
-    # where Hydra finds the recipes a recipe extends and the group files: the user's directory first
-    user = user_config_dir()
-    search = [folder for folder in (*([user / "recipes", user] if user else []), RECIPES_DIR, CONF_DIR)
-              if folder.is_dir()]  # Hydra warns, in two lines, of each missing one
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(recipe_file.parent), version_base="1.3"):
-            cfg = compose(
-                config_name=recipe,
-                overrides=[f"hydra.searchpath=[{','.join(f'file://{folder}' for folder in search)}]", *hydra_overrides],
-            )
-    except MissingConfigException as exc:
-        raise ConfigError(_one_line(exc)) from exc
-    except (ConfigCompositionException, OmegaConfBaseException) as exc:
-        raise ConfigError(_one_line(exc)) from exc
-    except OverrideParseException as exc:
-        reason = [line for line in exc.message.splitlines() if not line.startswith("See https")][-1]
-        raise ConfigError(f"override '{exc.override}' does not parse ({reason}); write KEY=VALUE, a list as "
-                          "KEY=[a,b] quoted for the shell (https://hydra.cc/docs/advanced/override_grammar/basic)"
-                          ) from exc
-    except yaml.YAMLError as exc:  # a config file that is not YAML (a user's --config-dir one, most likely)
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{mark.name}:{mark.line + 1}" if mark else "a config file"
-        raise ConfigError(f"{where}: not valid YAML ({getattr(exc, 'problem', None) or exc}); fix that line"
-                          ) from exc
-    finally:
-        GlobalHydra.instance().clear()
-    cfg.overrides = command_overrides(overrides)
-    validate(cfg)
-    return cfg
-
-
-def last_of_each_key(overrides) -> list[str]:
-    """KEY=VALUE overrides with only the last value of a key kept (where the key first appeared)."""
-    return list({item.partition("=")[0]: item for item in overrides}.values())
-
-
-def command_overrides(overrides) -> list[str]:
-    """The overrides a command naming this variant repeats: the last value of each key, less recipe and lang (the
-    make command's RECIPE and LANG) and force (a message says when to force)."""
-    return [item for item in last_of_each_key(overrides) if item.partition("=")[0] not in ("recipe", "lang", "force")]
-
-
-def with_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
-    """A variant of a composed config: ``cfg`` with plain KEY=VALUE overrides (no config groups), validated."""
-    variant = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
-    variant.overrides = command_overrides([*cfg.overrides, *overrides])
-    validate(variant)
-    return variant
-
-
-def validate(cfg: DictConfig) -> None:
-    """Checks the schema cannot express: relations between fields."""
-    try:  # `+key=value` adds keys Hydra does not check against the schema
-        OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(cfg))
-    except OmegaConfBaseException as exc:
-        raise ConfigError(_one_line(exc)) from exc
-    problems = []
-    if not RUN_NAME.fullmatch(cfg.run):
-        problems.append(f"run={cfg.run} is not a folder name; use letters, digits, '_', '-' and (not first) '.'")
-    if cfg.recipe not in options("recipe"):
-        problems.append(f"recipe field '{cfg.recipe}' does not name its file in recipes/")
-    d = cfg.drafter
-    if d.source == ModelSource.init and d.hidden_size % d.num_heads:
-        problems.append(f"drafter.hidden_size {d.hidden_size} is not divisible by drafter.num_heads {d.num_heads}")
-    if d.num_kv_heads is not None and d.num_heads % d.num_kv_heads:
-        problems.append(f"drafter.num_heads {d.num_heads} is not divisible by drafter.num_kv_heads {d.num_kv_heads}")
-    if d.embeddings_from_target and d.source != ModelSource.init:
-        problems.append(f"drafter.embeddings_from_target starts new weights: it needs drafter.source=init, not {d.source.value}")
-    if d.init_from and (d.source != ModelSource.init or d.reduced_vocab is not None):
-        problems.append("drafter.init_from starts a source=init drafter of the full vocabulary from published weights; "
-                        "unset drafter.reduced_vocab and use drafter.source=init, or drop init_from")
-    if any(corpus.weight <= 0 for corpus in cfg.data.pretrain_corpora):
-        problems.append("data.pretrain_corpora: every weight must be > 0 (a share of the pretraining tokens)")
-    if d.source in (ModelSource.hub, ModelSource.local) and not d.path:
-        problems.append(f"drafter.source={d.source.value} needs drafter.path")
-    if cfg.target.source == ModelSource.init:
-        problems.append("target.source=init is only for drafters")
-    if any(t < 0 for t in list(cfg.distill.temperatures) + list(cfg.eval.temperatures)):
-        problems.append("temperatures must be >= 0")
-    if not 0 <= cfg.distill.max_failed_share < 1:
-        problems.append("distill.max_failed_share must be in [0, 1): the share of records a complete distill may lack")
-    if cfg.eval.num_draft_tokens < 1:
-        problems.append("eval.num_draft_tokens (K) must be >= 1")
-    for stage in ("pretrain", "finetune"):
-        pd = cfg.train[stage].parallel_draft
-        if pd.enabled and pd.k < 2:
-            problems.append(f"train.{stage}.parallel_draft.k must be >= 2: the positions drafted in one forward")
-        if pd.enabled and not 0 < pd.min_retention <= pd.retention <= 1:
-            problems.append(f"train.{stage}.parallel_draft: need 0 < min_retention <= retention <= 1")
-    if cfg.train.finetune.parallel_draft.enabled and cfg.train.finetune.on_policy.enabled:
-        problems.append("train.finetune.on_policy aligns an autoregressive drafter's rollouts; it does not train "
-                        "parallel drafting: turn one of them off")
-    if not 0 <= cfg.data.heldout_fraction < 1:
-        problems.append("data.heldout_fraction must be in [0, 1)")
-    if cfg.data.sources == SourceKind.file and not cfg.data.source_file:
-        problems.append("data.sources=file needs data.source_file")
-    if cfg.data.back_translation < 0:
-        problems.append("data.back_translation must be >= 0")
-    elif cfg.data.back_translation and cfg.data.sources != SourceKind.offline:
-        problems.append("data.back_translation works on offline sources (ShareGPT); set data.back_translation=0")
-    elif cfg.data.back_translation and not cfg.lang.examples:
-        problems.append(f"data.back_translation needs worked examples: conf/lang/{cfg.lang.pair}.yaml has no `examples`")
-    if cfg.data.sources == SourceKind.hub and not (cfg.lang.hub.dataset or cfg.lang.hub.file):
-        problems.append(f"lang {cfg.lang.pair} has no hub dataset; use data.sources=offline or data.sources=file")
-    for name in ("pretrain", "finetune"):
-        tc = cfg.train[name]
-        if not 0 <= tc.warmup_ratio < 1:
-            problems.append(f"train.{name}.warmup_ratio must be in [0, 1)")
-        if tc.num_processes != "auto" and (not isinstance(tc.num_processes, int) or tc.num_processes < 1):
-            problems.append(f"train.{name}.num_processes must be a positive integer or auto, not {tc.num_processes}")
-        elif tc.num_processes != "auto" and tc.batch_size % (tc.grad_accum * tc.num_processes):
-            problems.append(f"train.{name}.batch_size {tc.batch_size} (global) must be divisible by "
-                            f"grad_accum x num_processes = {tc.grad_accum * tc.num_processes}")
-        if tc.resume not in ("auto", "never"):
-            problems.append(f"train.{name}.resume must be auto or never")
-        if tc.mixed_precision not in ("no", "bf16", "fp16"):
-            problems.append(f"train.{name}.mixed_precision must be one of no, bf16, fp16")
-        if tc.launch not in options("launch"):
-            problems.append(f"train.{name}.launch '{tc.launch}' unknown; valid: {', '.join(options('launch'))}")
-    if not 0 < cfg.train.finetune.data_fraction <= 1:
-        problems.append("train.finetune.data_fraction must be in (0, 1]: the share of the distilled prompts trained on")
-    op = cfg.train.finetune.on_policy
-    if op.enabled and min(op.rounds, op.steps_per_round, op.batch_size, op.rollout_tokens, op.heldout_prompts) < 1:
-        problems.append("train.finetune.on_policy: rounds, steps_per_round, batch_size, rollout_tokens and "
-                        "heldout_prompts must be >= 1")
-    if op.rollout_temperature < 0:
-        problems.append("train.finetune.on_policy.rollout_temperature must be >= 0")
-    if not DEVICE_SPEC.fullmatch(cfg.eval.device):
-        problems.append(f"eval.device={cfg.eval.device} is not a device; use auto, cpu, cuda or cuda:N")
-    if cfg.eval.processes != "auto" and (not isinstance(cfg.eval.processes, int) or cfg.eval.processes < 1):
-        problems.append(f"eval.processes must be a positive integer or auto, not {cfg.eval.processes}")
-    server = cfg.distill.server
-    if server.tensor_parallel < 1:
-        problems.append("distill.server.tensor_parallel must be >= 1")
-    if server.data_parallel != "auto" and (not isinstance(server.data_parallel, int) or server.data_parallel < 1):
-        problems.append(f"distill.server.data_parallel must be a positive integer or auto, not {server.data_parallel}")
-    distill = cfg.distill
-    if distill.concurrency_per_replica < 1:
-        problems.append("distill.concurrency_per_replica must be >= 1")
-    if distill.num_shards < 1 or not 0 <= distill.shard < distill.num_shards:
-        problems.append(f"distill.shard={distill.shard} of distill.num_shards={distill.num_shards}: need num_shards >= 1 "
-                        "and 0 <= shard < num_shards")
-    elif distill.num_shards > 1 and cfg.data.back_translation:
-        problems.append("distill.num_shards > 1 needs data.back_translation=0: back-translated prompts are chosen "
-                        "over the whole prompt set, which no shard sees")
-    if cfg.export.num_prompts < 1:
-        problems.append("export.num_prompts must be >= 1")
-    if unknown := [d for d in cfg.eval.dtype_candidates if d not in ("bfloat16", "float16")]:
-        problems.append(f"eval.dtype_candidates: {', '.join(map(str, unknown))} not a half-precision dtype; valid: bfloat16, float16")
-    if cfg.eval.tie_tolerance < 0:
-        problems.append("eval.tie_tolerance must be >= 0 (a top-2 logit gap)")
-    if cfg.eval.engine not in ("transformers", "vllm"):
-        problems.append("eval.engine must be transformers or vllm")
-    if not 0 <= cfg.eval.draft_confidence < 1:
-        problems.append("eval.draft_confidence must be in [0, 1): the drafter probability below which a draft stops")
-    if "router" in cfg.eval.methods:
-        problems.append("eval.methods: the router is not a method; set eval.router_langs=[de-en,fr-en] to run it")
-    elif unknown := [m for m in cfg.eval.methods if m not in EVAL_METHODS]:
-        problems.append(f"eval.methods: unknown {', '.join(unknown)}; valid: {', '.join(EVAL_METHODS)}")
-    for key in ("matrix_langs", "router_langs"):
-        if unknown := [p for p in cfg.eval[key] if p not in options("lang")]:
-            problems.append(f"eval.{key}: unknown {', '.join(unknown)}; valid: {', '.join(options('lang'))}")
-    sources = [p.split("-")[0] for p in cfg.eval.router_langs]
-    if cfg.eval.router_langs and (len(sources) < 2 or len(set(sources)) < len(sources)):
-        problems.append("eval.router_langs needs two or more pairs with different source languages, e.g. [de-en,fr-en]")
-    scaling = cfg.scaling
-    if not scaling.fractions or not all(0 < f <= 1 for f in scaling.fractions):
-        problems.append("scaling.fractions must be shares of the distilled prompts in (0, 1], e.g. [0.125,0.25,0.5,1]")
-    points = {"pretrained", *(f"{s.value}@{f:g}" for s in scaling.series for f in scaling.fractions)}
-    if unknown := [a for a in scaling.anchors if a not in points]:
-        problems.append(f"scaling.anchors: {', '.join(unknown)} not among the points; valid: {', '.join(sorted(points))}")
-    if scaling.heldout_prompts < 1:
-        problems.append("scaling.heldout_prompts must be >= 1")
-    if problems:
-        raise ConfigError("; ".join(problems))
-
-
-def sections(cfg: DictConfig, keys: list[str]) -> dict[str, Any]:
-    """Plain-data copies of the config sections named by dotted keys."""
-    out = {}
-    for key in keys:
-        node = OmegaConf.select(cfg, key)
-        out[key] = OmegaConf.to_container(node, resolve=True, enum_to_str=True) if OmegaConf.is_config(node) else node
-    return out
-
-
-def config_hash(cfg: DictConfig, keys: list[str], upstream: dict[str, str] | None = None) -> str:
-    """A stable hash of the config sections a stage depends on and of its inputs' hashes."""
-    parts = sections(cfg, keys)
-    parts["upstream"] = dict(sorted((upstream or {}).items()))
-    text = OmegaConf.to_yaml(OmegaConf.create(parts), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
