@@ -18,14 +18,22 @@ from pipeline.registry import REGISTRY
 
 # command -> (what it does, the keys most used with it); every command also takes the common keys
 COMMANDS = {name: (stage.summary, list(stage.keys)) for name, stage in REGISTRY.items()} | {
-    "prepare": ("where the hub is reachable (a login node): cache what the recipe and its dry run take from it "
-                "(target, drafter start, the pair's rows, C4 tokens), so every stage runs offline; also converts a "
-                "GGUF target and extracts offline sources", ["target.source", "target.path", "target.revision",
-                                                             "data.sources"]),
-    "gpu-check": ("run every GPU path on this device, checked, and measure c, v(K) and the engines (tiny shapes on "
-                  "a CPU); docs/gpu-check.md", []),
-    "report": ("the result tables of every finished eval stage under paths.runs_dir -> its report.md; with --langs, "
-               "the summary of those pairs' evals (the end of make demo)", []),
+    "prepare": (
+        "where the hub is reachable (a login node): cache what the recipe and its dry run take from it "
+        "(target, drafter start, the pair's rows, C4 tokens), so every stage runs offline; also converts a "
+        "GGUF target and extracts offline sources",
+        ["target.source", "target.path", "target.revision", "data.sources"],
+    ),
+    "gpu-check": (
+        "run every GPU path on this device, checked, and measure c, v(K) and the engines (tiny shapes on "
+        "a CPU); docs/gpu-check.md",
+        [],
+    ),
+    "report": (
+        "the result tables of every finished eval stage under paths.runs_dir -> its report.md; with --langs, "
+        "the summary of those pairs' evals (the end of make demo)",
+        [],
+    ),
     "config": ("print the composed config (nothing runs)", []),
     "list": ("list the recipes, targets, drafters, language pairs or benchmarks", []),
 }
@@ -90,49 +98,80 @@ def parser(with_help: bool = True) -> argparse.ArgumentParser:
         from pipeline.config_reference import documented_keys
 
         docs, groups = {doc.key: doc for doc in documented_keys()}, groups_help()  # once: every command shows them
-        common = (f"common keys:\n{keys_help(COMMON_KEYS, docs)}\n\nconfig groups (KEY=OPTION):\n{groups}\n\n"
-                  "every key: docs/configuration.md; the composed config: specdraft config recipe=NAME lang=PAIR")
+        common = (
+            f"common keys:\n{keys_help(COMMON_KEYS, docs)}\n\nconfig groups (KEY=OPTION):\n{groups}\n\n"
+            "every key: docs/configuration.md; the composed config: specdraft config recipe=NAME lang=PAIR"
+        )
     config_dir = argparse.ArgumentParser(add_help=False)
-    config_dir.add_argument("--config-dir", metavar="DIR", default=argparse.SUPPRESS,
-                            help=f"your own configs, laid out like conf/ (target/, lang/, drafter/, ..., recipes/); "
-                                 f"they add to and override the shipped ones (env: {USER_CONFIG_ENV})")
+    config_dir.add_argument(
+        "--config-dir",
+        metavar="DIR",
+        default=argparse.SUPPRESS,
+        help=f"your own configs, laid out like conf/ (target/, lang/, drafter/, ..., recipes/); "
+        f"they add to and override the shipped ones (env: {USER_CONFIG_ENV})",
+    )
     top = OneLineParser(
-        prog="specdraft", parents=[config_dir], formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="specdraft",
+        parents=[config_dir],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a drafter for speculative decoding of a target LLM and measure the speedup it buys.\n"
-                    "The stages run in order; each reads the previous one's run directory under paths.runs_dir.",
+        "The stages run in order; each reads the previous one's run directory under paths.runs_dir.",
         epilog="examples:\n"
-               "  specdraft list recipes\n"
-               "  specdraft config recipe=local lang=de-en\n"
-               "  specdraft distill recipe=paper-vicuna lang=de-en distill.server.tensor_parallel=2\n"
-               "  specdraft eval --help\n\n"
-               f"config groups (KEY=OPTION) and their options:\n{groups}")
+        "  specdraft list recipes\n"
+        "  specdraft config recipe=local lang=de-en\n"
+        "  specdraft distill recipe=paper-vicuna lang=de-en distill.server.tensor_parallel=2\n"
+        "  specdraft eval --help\n\n"
+        f"config groups (KEY=OPTION) and their options:\n{groups}",
+    )
     commands = top.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=OneLineParser)
     for name, (summary, keys) in COMMANDS.items():
         if name == "list":
             sub = commands.add_parser(name, help=summary, description=summary, parents=[config_dir])
-            sub.add_argument("what", nargs="*", metavar="WHAT",
-                             help=f"any of {', '.join(LISTS)} (default: all)")
+            sub.add_argument("what", nargs="*", metavar="WHAT", help=f"any of {', '.join(LISTS)} (default: all)")
             continue
         if name == "gpu-check":  # its own options, no config overrides
             from pipeline import gpu_check
 
-            sub = commands.add_parser(name, help=summary, description=gpu_check.__doc__.split("\n\n")[0],
-                                      parents=[config_dir], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                      epilog=f"parts: {', '.join(gpu_check.PARTS)}; on a GPU in three commands: "
-                                             + " | ".join(f"--parts {p}" for p in gpu_check.GPU_PLAN) + "\n\n" + common)
+            sub = commands.add_parser(
+                name,
+                help=summary,
+                description=gpu_check.__doc__.split("\n\n")[0],
+                parents=[config_dir],
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog=f"parts: {', '.join(gpu_check.PARTS)}; on a GPU in three commands: "
+                + " | ".join(f"--parts {p}" for p in gpu_check.GPU_PLAN)
+                + "\n\n"
+                + common,
+            )
             gpu_check.add_arguments(sub)
             continue
         sub = commands.add_parser(
-            name, help=summary, description=summary, parents=[config_dir],
+            name,
+            help=summary,
+            description=summary,
+            parents=[config_dir],
             formatter_class=argparse.RawDescriptionHelpFormatter,
-            epilog=(f"keys most used with {name} (default, meaning):\n{keys_help(keys, docs)}\n\n" if keys and docs else "")
-                   + common)
-        sub.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                         help="recipe=NAME (default local), lang=PAIR, group=OPTION or any dotted key")
+            epilog=(
+                f"keys most used with {name} (default, meaning):\n{keys_help(keys, docs)}\n\n" if keys and docs else ""
+            )
+            + common,
+        )
+        sub.add_argument(
+            "overrides",
+            nargs="*",
+            metavar="KEY=VALUE",
+            help="recipe=NAME (default local), lang=PAIR, group=OPTION or any dotted key",
+        )
         if name == "report":
-            sub.add_argument("--langs", nargs="+", metavar="PAIR", help="sum up these pairs' eval stages of the config "
-                             "into paths.runs_dir/demo-summary.json")
-            sub.add_argument("--started", type=float, help="when the run began (seconds since the epoch): its wall time")
+            sub.add_argument(
+                "--langs",
+                nargs="+",
+                metavar="PAIR",
+                help="sum up these pairs' eval stages of the config into paths.runs_dir/demo-summary.json",
+            )
+            sub.add_argument(
+                "--started", type=float, help="when the run began (seconds since the epoch): its wall time"
+            )
     return top
 
 

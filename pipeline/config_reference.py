@@ -134,7 +134,9 @@ def _value(value: Any) -> str:
     if isinstance(value, Enum):
         return value.value
     if isinstance(value, str):
-        plain = value and value.strip() == value and value.isprintable() and value.lower() not in ("null", "true", "false")
+        plain = (
+            value and value.strip() == value and value.isprintable() and value.lower() not in ("null", "true", "false")
+        )
         return value if plain else json.dumps(value)
     if dataclasses.is_dataclass(value):
         value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
@@ -254,8 +256,10 @@ def markdown(recipe: str = RECIPE) -> str:
         lines.extend([f"| key | type | default | {recipe} | help |", "|---|---|---|---|---|"])
         for doc in keys:
             default = "*required*" if doc.default == "required" else _code(doc.default)
-            lines.append(f"| `{doc.key}` | {_cell(doc.type)} | {default} | {_code(values.get(doc.key, ''))} "
-                         f"| {_cell(doc.help)} |")
+            lines.append(
+                f"| `{doc.key}` | {_cell(doc.type)} | {default} | {_code(values.get(doc.key, ''))} "
+                f"| {_cell(doc.help)} |"
+            )
         lines.append("")
 
     for section in SECTIONS:
@@ -264,12 +268,16 @@ def markdown(recipe: str = RECIPE) -> str:
         if options:
             lines += [f"Options (`{section}=NAME`, files in `conf/{section}/`): {options}.", ""]
         table([d for d in docs if section_of(d.key) == section])
-    lines += ["## Top-level keys", "",
-              f"Recipes (`recipe=NAME`, files in `recipes/`): {_options('recipe')}. "
-              "Dry run (`+dry_run=on`, `conf/dry_run/on.yaml`): the recipe's four stages in minutes on a tiny stand-in "
-              "target. Launch configs (`train.pretrain.launch`, `train.finetune.launch`, files in `recipes/launch/`): "
-              + ", ".join(f"`{p.stem}`" for p in sorted((config.RECIPES_DIR / "launch").glob("*.yaml"))) + ".",
-              ""]
+    lines += [
+        "## Top-level keys",
+        "",
+        f"Recipes (`recipe=NAME`, files in `recipes/`): {_options('recipe')}. "
+        "Dry run (`+dry_run=on`, `conf/dry_run/on.yaml`): the recipe's four stages in minutes on a tiny stand-in "
+        "target. Launch configs (`train.pretrain.launch`, `train.finetune.launch`, files in `recipes/launch/`): "
+        + ", ".join(f"`{p.stem}`" for p in sorted((config.RECIPES_DIR / "launch").glob("*.yaml")))
+        + ".",
+        "",
+    ]
     table([d for d in docs if not section_of(d.key)])
     return "\n".join(lines)
 

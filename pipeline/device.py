@@ -34,8 +34,10 @@ def resolve_device(spec: str, key: str = "eval.device") -> torch.device:
     device = torch.device(spec)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError(f"{key}={spec} but torch sees no CUDA device (torch {torch.__version__}): "
-                              f"use {key}=auto or cpu, or install a CUDA build (make install EXTRAS=gpu,dev)")
+            raise ConfigError(
+                f"{key}={spec} but torch sees no CUDA device (torch {torch.__version__}): "
+                f"use {key}=auto or cpu, or install a CUDA build (make install EXTRAS=gpu,dev)"
+            )
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ConfigError(f"{key}={spec} but only {torch.cuda.device_count()} CUDA device(s) are visible")
         if device.index is None:
@@ -63,12 +65,16 @@ def check_slurm_gpus(env: dict[str, str] = os.environ) -> None:
         return
     fix = "rebuild the venv for GPUs: rm -rf .venv && make install EXTRAS=gpu,dev"
     if torch.version.cuda is None:
-        raise ConfigError(f"Slurm gave this job {given} GPU(s) but the venv's torch {torch.__version__} is a CPU build "
-                          f"(make install chose it where nvidia-smi found no GPU): {fix}")
+        raise ConfigError(
+            f"Slurm gave this job {given} GPU(s) but the venv's torch {torch.__version__} is a CPU build "
+            f"(make install chose it where nvidia-smi found no GPU): {fix}"
+        )
     if (seen := torch.cuda.device_count()) < expected:
         shown = "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible})"
-        raise ConfigError(f"Slurm gave this job {given} GPU(s){shown} but torch {torch.__version__} sees {seen}: check nvidia-smi and that the driver supports CUDA "
-                          f"{torch.version.cuda}, or {fix}")
+        raise ConfigError(
+            f"Slurm gave this job {given} GPU(s){shown} but torch {torch.__version__} sees {seen}: check nvidia-smi "
+            f"and that the driver supports CUDA {torch.version.cuda}, or {fix}"
+        )
 
 
 def synchronize(device: torch.device) -> None:

@@ -13,8 +13,16 @@ from safetensors import SafetensorError
 NO_ROOM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 # how torch.save (PytorchStreamWriter: a failed write, or the short one its zip writer finds at the end) and
 # safetensors (a Rust io::Error) word the same failures
-NO_ROOM_WORDS = ("No space left", "Disk quota exceeded", "File too large", "StorageFull", "FileTooLarge",
-                 "QuotaExceeded", "file write failed", "unexpected pos")
+NO_ROOM_WORDS = (
+    "No space left",
+    "Disk quota exceeded",
+    "File too large",
+    "StorageFull",
+    "FileTooLarge",
+    "QuotaExceeded",
+    "file write failed",
+    "unexpected pos",
+)
 
 
 class DiskFullError(OSError):

@@ -18,8 +18,19 @@ class AcceptanceMismatchError(RuntimeError):
     """An exported drafter's acceptance in transformers differs from our engine's with the same drafter (one line)."""
 
 
-USER_ERRORS = (ConfigError, StageInputError, StageConflictError, ModelNotFoundError, FileNotFoundError, TokenizerMismatchError,
-               ServingError, LosslessError, AcceptanceMismatchError, CorruptLineError, DiskFullError)
+USER_ERRORS = (
+    ConfigError,
+    StageInputError,
+    StageConflictError,
+    ModelNotFoundError,
+    FileNotFoundError,
+    TokenizerMismatchError,
+    ServingError,
+    LosslessError,
+    AcceptanceMismatchError,
+    CorruptLineError,
+    DiskFullError,
+)
 
 
 def user_error(exc: BaseException) -> BaseException | None:

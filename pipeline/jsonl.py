@@ -32,7 +32,7 @@ def append_whole(handle, data: bytes) -> None:
     try:
         rest = memoryview(data)
         while rest:
-            rest = rest[handle.write(rest):]
+            rest = rest[handle.write(rest) :]
     except BaseException:
         handle.truncate(start)
         raise
@@ -113,7 +113,7 @@ class BackgroundJsonl:
         if self.error is not None:
             raise OSError(f"writing {self.path} failed: {self.error}") from self.error
 
-    def __enter__(self) -> "BackgroundJsonl":
+    def __enter__(self) -> BackgroundJsonl:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -124,15 +124,19 @@ class BackgroundJsonl:
         try:
             while not closing:
                 try:  # wait for rows; with unsynced lines, only until their fsync is due
-                    batch = [self.rows.get(timeout=max(last_sync + self.sync_every_s - time.monotonic(), 0)
-                                           if unsynced else None)]
+                    batch = [
+                        self.rows.get(
+                            timeout=max(last_sync + self.sync_every_s - time.monotonic(), 0) if unsynced else None
+                        )
+                    ]
                 except queue.Empty:
                     batch = []
                 while not self.rows.empty():
                     batch.append(self.rows.get())
                 closing = any(row is self._CLOSE for row in batch)
-                lines = "".join(json.dumps(row, ensure_ascii=False) + "\n"
-                                for row in batch if row is not self._CLOSE).encode()
+                lines = "".join(
+                    json.dumps(row, ensure_ascii=False) + "\n" for row in batch if row is not self._CLOSE
+                ).encode()
                 if lines:
                     if handle is None:
                         created = not self.path.exists()

@@ -25,8 +25,18 @@ from pipeline.data.sources import cached_sources, hub_sources, load_sources
 from pipeline.durable import write_atomic
 from pipeline.evaluation.heldout import lang_config
 from pipeline.models.drafter import published_weights
-from pipeline.models.provision import (NotPreparedError, cached_snapshot, check_model_name, download_snapshot, go_offline,
-                                       hub_offline, is_local, load_tokenizer, model_path, prepare_hint)
+from pipeline.models.provision import (
+    NotPreparedError,
+    cached_snapshot,
+    check_model_name,
+    download_snapshot,
+    go_offline,
+    hub_offline,
+    is_local,
+    load_tokenizer,
+    model_path,
+    prepare_hint,
+)
 from pipeline.training.data import READ_FILE, pretrain_cache, write_pretrain_tokens
 
 PREPARED_DIR = "prepared"
@@ -42,9 +52,13 @@ class Need:
 
 
 def _model_need(what: str, repo_id: str, revision: str | None, weights: bool) -> Need:
-    return Need(what, f"{repo_id}@{revision or 'main'}" + ("" if weights else ", config and tokenizer"),
-                lambda: cached_snapshot(repo_id, revision, weights),
-                lambda: (download_snapshot(repo_id, revision, weights), ""), snapshot=True)
+    return Need(
+        what,
+        f"{repo_id}@{revision or 'main'}" + ("" if weights else ", config and tokenizer"),
+        lambda: cached_snapshot(repo_id, revision, weights),
+        lambda: (download_snapshot(repo_id, revision, weights), ""),
+        snapshot=True,
+    )
 
 
 def evaluated_pairs(cfg: DictConfig) -> list[DictConfig]:
@@ -112,7 +126,9 @@ def needs(cfg: DictConfig) -> list[Need]:
         for pair_cfg in evaluated_pairs(cfg):
             if pair_cfg.lang.hub.dataset:  # else a file (JParaCrawl), read where it lies
                 found.append(_sources_need(pair_cfg))
-    if corpora := [corpus.hub_dataset or corpus.name for corpus in cfg.data.pretrain_corpora if corpus.name != "sharegpt"]:
+    if corpora := [
+        corpus.hub_dataset or corpus.name for corpus in cfg.data.pretrain_corpora if corpus.name != "sharegpt"
+    ]:
         found.append(_pretrain_need(cfg, corpora, target_need))
     return found
 
@@ -155,5 +171,7 @@ def offline_when_prepared(cfg: DictConfig) -> None:
     if not missing:
         go_offline()
     elif hub_offline():
-        raise NotPreparedError(f"not cached here and the hub is off (HF_HUB_OFFLINE=1): "
-                               f"{'; '.join(f'{n.what} ({n.source})' for n in missing)}; {prepare_hint(cfg)}")
+        raise NotPreparedError(
+            f"not cached here and the hub is off (HF_HUB_OFFLINE=1): "
+            f"{'; '.join(f'{n.what} ({n.source})' for n in missing)}; {prepare_hint(cfg)}"
+        )

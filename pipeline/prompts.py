@@ -28,8 +28,12 @@ def build_prompt(target: DictConfig, lang: DictConfig, text: str, tokenizer, sho
         suffix = target.completion_suffix.format(src_name=lang.src_name, tgt_name=lang.tgt_name)
         worked = "".join(f"{instruction(target, lang, src)}{suffix} {tgt}\n\n" for src, tgt in shots)
         return worked + instruction(target, lang, text) + suffix
-    return tokenizer.apply_chat_template(chat_messages(target, lang, text, shots), chat_template=target.chat_template,
-                                         add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(
+        chat_messages(target, lang, text, shots),
+        chat_template=target.chat_template,
+        add_generation_prompt=True,
+        tokenize=False,
+    )
 
 
 def chat_messages(target: DictConfig, lang: DictConfig, text: str, shots: Sequence[Shot] = ()) -> list[dict[str, str]]:
@@ -64,7 +68,9 @@ def stop_token_ids(target: DictConfig, tokenizer) -> list[int]:
     for token in target.stop_tokens:
         token_id = tokenizer.convert_tokens_to_ids(token)
         if token_id is None or token_id == tokenizer.unk_token_id:
-            raise ConfigError(f"target.stop_tokens: '{token}' is not a token of {target.name}'s tokenizer; "
-                              "use one of its special tokens, e.g. <end_of_turn>")
+            raise ConfigError(
+                f"target.stop_tokens: '{token}' is not a token of {target.name}'s tokenizer; "
+                "use one of its special tokens, e.g. <end_of_turn>"
+            )
         ids.append(token_id)
     return ids

@@ -7,8 +7,8 @@ takes the stage's lock, begins its directory, opens its tracker, calls it and ma
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from omegaconf import DictConfig
 
@@ -39,41 +39,124 @@ class Stage:
         return f"pipeline.stages.{self.name}"
 
 
-REGISTRY = {stage.name: stage for stage in (
-    Stage("distill", "stage 1: the target answers the training prompts of LANG through vLLM (T 0/0.3/0.7/1.0)",
-          ("distill.temperatures", "distill.max_tokens", "distill.samples_per_prompt", "data.max_train_prompts",
-           "distill.server.url", "distill.server.tensor_parallel", "distill.server.data_parallel"),
-          # Not the endpoint, concurrency or timeouts: a rerun through another server resumes the same records.
-          # Sampling is the eval's (top_p, top_k), so the drafter learns the distribution it is measured against.
-          ("target", "lang", "data", "distill.temperatures", "distill.samples_per_prompt", "distill.max_tokens",
-           "distill.top_logprobs", "distill.seed", "distill.server.dtype", "eval.top_p", "eval.top_k",
-           "distill.num_shards", "distill.shard"), lambda cfg: []),
-    Stage("pretrain", "stage 2: pretrain the drafter on general text (language independent, shared by every pair)",
-          ("train.pretrain.token_budget", "train.pretrain.max_steps", "train.pretrain.lr", "train.pretrain.batch_size",
-           "train.pretrain.launch", "train.pretrain.num_processes", "train.pretrain.mixed_precision",
-           "data.pretrain_max_documents"),
-          # Only the data keys pretraining reads: new translation sources (back-translation) keep the pretrained drafter.
-          ("target", "drafter", "data.pretrain_corpora", "data.pretrain_max_documents", "train.pretrain", "seed"),
-          lambda cfg: []),
-    Stage("finetune", "stage 3: finetune the drafter on the target's answers for LANG",
-          ("train.finetune.mode", "train.finetune.epochs", "train.finetune.lr", "train.finetune.batch_size",
-           "train.finetune.launch", "train.finetune.num_processes", "train.finetune.on_policy.enabled"),
-          ("target", "drafter", "lang", "train.finetune", "seed"), finetune_inputs),
-    Stage("eval", "stage 4: acceptance, tau and measured speedup of the drafter against the target on held-out prompts",
-          ("eval.num_draft_tokens", "eval.temperatures", "eval.num_prompts", "eval.methods", "eval.device",
-           "eval.engine", "eval.drafter_path"),
-          ("target", "drafter", "lang", "eval"), eval_inputs),
-    Stage("export", "the finetuned drafter as a folder transformers and vLLM serve, with a README and a smoke check",
-          ("export.num_prompts", "eval.num_draft_tokens"),
-          ("target", "drafter", "lang", "eval.num_draft_tokens", "eval.max_new_tokens", "eval.seeds", "eval.top_k",
-           "eval.top_p", "export"), lambda cfg: ["finetune"], in_pipeline=False),
-    Stage("scaling", "Fig. 4: finetune on nested fractions of LANG's distilled data (P-F, F-only) and fit acceptance "
-                     "against data",
-          ("scaling.fractions", "scaling.series", "scaling.anchors", "scaling.heldout_prompts",
-           "train.finetune.data_fraction"),
-          ("target", "drafter", "lang", "train.finetune", "seed", "eval", "scaling"), lambda cfg: ["distill", "pretrain"],
-          in_pipeline=False, report="scaling.txt"),
-)}
+REGISTRY = {
+    stage.name: stage
+    for stage in (
+        Stage(
+            "distill",
+            "stage 1: the target answers the training prompts of LANG through vLLM (T 0/0.3/0.7/1.0)",
+            (
+                "distill.temperatures",
+                "distill.max_tokens",
+                "distill.samples_per_prompt",
+                "data.max_train_prompts",
+                "distill.server.url",
+                "distill.server.tensor_parallel",
+                "distill.server.data_parallel",
+            ),
+            # Not the endpoint, concurrency or timeouts: a rerun through another server resumes the same records.
+            # Sampling is the eval's (top_p, top_k), so the drafter learns the distribution it is measured against.
+            (
+                "target",
+                "lang",
+                "data",
+                "distill.temperatures",
+                "distill.samples_per_prompt",
+                "distill.max_tokens",
+                "distill.top_logprobs",
+                "distill.seed",
+                "distill.server.dtype",
+                "eval.top_p",
+                "eval.top_k",
+                "distill.num_shards",
+                "distill.shard",
+            ),
+            lambda cfg: [],
+        ),
+        Stage(
+            "pretrain",
+            "stage 2: pretrain the drafter on general text (language independent, shared by every pair)",
+            (
+                "train.pretrain.token_budget",
+                "train.pretrain.max_steps",
+                "train.pretrain.lr",
+                "train.pretrain.batch_size",
+                "train.pretrain.launch",
+                "train.pretrain.num_processes",
+                "train.pretrain.mixed_precision",
+                "data.pretrain_max_documents",
+            ),
+            # Only the data keys pretraining reads: new translation sources (back-translation) keep the pretrained
+            # drafter.
+            ("target", "drafter", "data.pretrain_corpora", "data.pretrain_max_documents", "train.pretrain", "seed"),
+            lambda cfg: [],
+        ),
+        Stage(
+            "finetune",
+            "stage 3: finetune the drafter on the target's answers for LANG",
+            (
+                "train.finetune.mode",
+                "train.finetune.epochs",
+                "train.finetune.lr",
+                "train.finetune.batch_size",
+                "train.finetune.launch",
+                "train.finetune.num_processes",
+                "train.finetune.on_policy.enabled",
+            ),
+            ("target", "drafter", "lang", "train.finetune", "seed"),
+            finetune_inputs,
+        ),
+        Stage(
+            "eval",
+            "stage 4: acceptance, tau and measured speedup of the drafter against the target on held-out prompts",
+            (
+                "eval.num_draft_tokens",
+                "eval.temperatures",
+                "eval.num_prompts",
+                "eval.methods",
+                "eval.device",
+                "eval.engine",
+                "eval.drafter_path",
+            ),
+            ("target", "drafter", "lang", "eval"),
+            eval_inputs,
+        ),
+        Stage(
+            "export",
+            "the finetuned drafter as a folder transformers and vLLM serve, with a README and a smoke check",
+            ("export.num_prompts", "eval.num_draft_tokens"),
+            (
+                "target",
+                "drafter",
+                "lang",
+                "eval.num_draft_tokens",
+                "eval.max_new_tokens",
+                "eval.seeds",
+                "eval.top_k",
+                "eval.top_p",
+                "export",
+            ),
+            lambda cfg: ["finetune"],
+            in_pipeline=False,
+        ),
+        Stage(
+            "scaling",
+            "Fig. 4: finetune on nested fractions of LANG's distilled data (P-F, F-only) and fit acceptance "
+            "against data",
+            (
+                "scaling.fractions",
+                "scaling.series",
+                "scaling.anchors",
+                "scaling.heldout_prompts",
+                "train.finetune.data_fraction",
+            ),
+            ("target", "drafter", "lang", "train.finetune", "seed", "eval", "scaling"),
+            lambda cfg: ["distill", "pretrain"],
+            in_pipeline=False,
+            report="scaling.txt",
+        ),
+    )
+}
 PIPELINE = tuple(name for name, stage in REGISTRY.items() if stage.in_pipeline)  # `make all` and Slurm's chain
 
 

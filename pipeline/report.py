@@ -17,8 +17,15 @@ from omegaconf import DictConfig
 from pipeline.rundir import MARKER, VLLM_EVAL, StageInputError, make_command, stage_dir
 from pipeline.speculative.costs import cost_line
 
-METHOD_NAMES = {"target": "target only", "speculative": "speculative (ours)", "pld": "prompt lookup (PLD)",
-                "hybrid": "lookup, else drafter (ours)", "hf": "HF generate", "hf_assisted": "HF assisted", "router": "language router"}
+METHOD_NAMES = {
+    "target": "target only",
+    "speculative": "speculative (ours)",
+    "pld": "prompt lookup (PLD)",
+    "hybrid": "lookup, else drafter (ours)",
+    "hf": "HF generate",
+    "hf_assisted": "HF assisted",
+    "router": "language router",
+}
 
 
 def summary_of(metrics: dict) -> dict:
@@ -52,8 +59,10 @@ def table(rows: list[tuple[str, list[str]]], header: list[str]) -> str:
 def speedup_table(metrics: dict, label: str = "") -> list[tuple[str, list[str]]]:
     rows = []
     for method in METHOD_NAMES:
-        cells = [cell(metrics["results"][pair][t]["summary"].get(method, {}), "speedup") + "×"
-                 for pair, t in columns(metrics)]
+        cells = [
+            cell(metrics["results"][pair][t]["summary"].get(method, {}), "speedup") + "×"
+            for pair, t in columns(metrics)
+        ]
         if any(c != "–×" for c in cells):
             rows.append((f"{label}{METHOD_NAMES[method]}", [c.replace("–×", "–") for c in cells]))
     return rows
@@ -61,9 +70,11 @@ def speedup_table(metrics: dict, label: str = "") -> list[tuple[str, list[str]]]
 
 def greedy_gate_line(lossless: dict, reference: str = "the target's") -> str:
     """The report's sentence on the greedy gate: what was checked and how it ended."""
-    line = (f"Greedy outputs checked token by token against {reference}: {lossless['greedy_prompts_checked']} prompts, "
-            f"{lossless['outputs_checked']} outputs: {lossless['exact']} exact, {len(lossless['ties'])} numerical "
-            f"ties, {len(lossless['mismatches'])} mismatches")
+    line = (
+        f"Greedy outputs checked token by token against {reference}: {lossless['greedy_prompts_checked']} prompts, "
+        f"{lossless['outputs_checked']} outputs: {lossless['exact']} exact, {len(lossless['ties'])} numerical "
+        f"ties, {len(lossless['mismatches'])} mismatches"
+    )
     if lossless["tie_tolerance"]:
         line += f" (tie: top-2 logit gap below {lossless['tie_tolerance']:g} where the output first diverges)"
     if lossless["ties"]:
@@ -78,8 +89,12 @@ def stage_report(metrics: dict) -> str:
         if not any(method in metrics["results"][p][t]["summary"] for p, t in columns(metrics)):
             continue
         for key, name in (("alpha", "α"), ("tau", "τ")):
-            acceptance.append((f"{METHOD_NAMES[method]} {name}",
-                               [cell(metrics["results"][p][t]["summary"].get(method, {}), key) for p, t in columns(metrics)]))
+            acceptance.append(
+                (
+                    f"{METHOD_NAMES[method]} {name}",
+                    [cell(metrics["results"][p][t]["summary"].get(method, {}), key) for p, t in columns(metrics)],
+                )
+            )
     costs = metrics["costs"]
     sweep = metrics.get("k_sweep") or {}
     lines = [
@@ -88,11 +103,16 @@ def stage_report(metrics: dict) -> str:
         f"target `{metrics['target']}`, drafter `{metrics['drafter']}`"
         + (f" (reduced vocabulary: {metrics['reduced_vocab']} ids)" if metrics.get("reduced_vocab") else ""),
         k_line(metrics)
-        + (f" (a draft stops below drafter confidence {metrics['draft_confidence']:g})"
-           if metrics.get("draft_confidence") else "") + ".",
+        + (
+            f" (a draft stops below drafter confidence {metrics['draft_confidence']:g})"
+            if metrics.get("draft_confidence")
+            else ""
+        )
+        + ".",
         "",
         f"max_new_tokens = {metrics['max_new_tokens']}, median of {metrics['repetitions']} "
-        f"repetitions, mean ± std over seeds; {machine(metrics['environment'])}, torch {metrics['environment']['torch']}, "
+        f"repetitions, mean ± std over seeds; {machine(metrics['environment'])}, "
+        f"torch {metrics['environment']['torch']}, "
         f"transformers {metrics['environment']['transformers']}",
         "",
         dtype_line(metrics),
@@ -108,26 +128,56 @@ def stage_report(metrics: dict) -> str:
         f"Costs measured on this machine, in target steps: {cost_line(costs)} (c: a drafter step; draft(K): a "
         "round's drafting; v(K): its verify).",
     ]
-    lines += [f"\n**{t_key}, {choice['no_k_pays']}.** Its row above ran at K={choice['k']}, the best the formula "
-              "found; the target alone (K = 0) is faster here."
-              for t_key, by_method in (metrics.get("k_choice") or {}).items()
-              for choice in by_method.values() if "no_k_pays" in choice]
+    lines += [
+        f"\n**{t_key}, {choice['no_k_pays']}.** Its row above ran at K={choice['k']}, the best the formula "
+        "found; the target alone (K = 0) is faster here."
+        for t_key, by_method in (metrics.get("k_choice") or {}).items()
+        for choice in by_method.values()
+        if "no_k_pays" in choice
+    ]
     if sweep:
-        lines += ["", "## K sweep (T=0)", "",
-                  table([(str(k), [f"{s['alpha']:.2f}", f"{s['tau']:.2f}", f"{s['speedup']:.2f}×",
-                                   f"{s['predicted_speedup']:.2f}×"]) for k, s in sweep["per_k"].items()],
-                        ["K", "α", "τ", "measured speedup", "predicted speedup"]),
-                  "", f"Best K: {sweep['best_k_measured']} measured, {sweep['best_k_predicted']} by the formula."]
+        lines += [
+            "",
+            "## K sweep (T=0)",
+            "",
+            table(
+                [
+                    (
+                        str(k),
+                        [
+                            f"{s['alpha']:.2f}",
+                            f"{s['tau']:.2f}",
+                            f"{s['speedup']:.2f}×",
+                            f"{s['predicted_speedup']:.2f}×",
+                        ],
+                    )
+                    for k, s in sweep["per_k"].items()
+                ],
+                ["K", "α", "τ", "measured speedup", "predicted speedup"],
+            ),
+            "",
+            f"Best K: {sweep['best_k_measured']} measured, {sweep['best_k_predicted']} by the formula.",
+        ]
     if router := metrics.get("router"):
-        lines += ["", f"Language router over {', '.join(router['langs'])} (column `mixed`): "
-                      + "; ".join(f"{pair} prompts → " + ", ".join(f"{lang} ×{n}" for lang, n in picked.items())
-                                  for pair, picked in router["routed"].items())
-                      + f"; {router['accuracy']:.0%} sent to their own pair's drafter."]
+        lines += [
+            "",
+            f"Language router over {', '.join(router['langs'])} (column `mixed`): "
+            + "; ".join(
+                f"{pair} prompts → " + ", ".join(f"{lang} ×{n}" for lang, n in picked.items())
+                for pair, picked in router["routed"].items()
+            )
+            + f"; {router['accuracy']:.0%} sent to their own pair's drafter.",
+        ]
     if len(sessions := metrics.get("sessions", [])) > 1:
-        lines += ["", f"Resumed: measured in {len(sessions)} sessions ("
-                      + ", ".join(f"{s['prompts_measured']} prompt rows on {s['host']} {s['device']} from {s['started_at']}"
-                                  for s in sessions)
-                      + "); timings of different sessions may reflect different machine states."]
+        lines += [
+            "",
+            f"Resumed: measured in {len(sessions)} sessions ("
+            + ", ".join(
+                f"{s['prompts_measured']} prompt rows on {s['host']} {s['device']} from {s['started_at']}"
+                for s in sessions
+            )
+            + "); timings of different sessions may reflect different machine states.",
+        ]
     lines += ["", greedy_gate_line(metrics["lossless"]), ""]
     return "\n".join(lines)
 
@@ -159,21 +209,29 @@ def k_line(metrics: dict) -> str:
         return f"K = {metrics['K']}"
     return "K chosen from the measured costs and the warm-up's τ: " + "; ".join(
         f"{t_key}: " + ", ".join(f"{METHOD_NAMES[m]} {c['k']}" for m, c in by_method.items())
-        for t_key, by_method in choice.items())
+        for t_key, by_method in choice.items()
+    )
 
 
 def dtype_line(metrics: dict) -> str:
     """The target's dtype in decoding, and the timings that chose it where the eval chose it."""
     choice = metrics.get("target_dtype_choice") or {}
     # the drafter runs in the target's dtype, as vLLM and transformers' assisted generation serve it
-    drafter = f" Drafter in {metrics['drafter_dtype']}, as served beside the target." if "drafter_dtype" in metrics else ""
+    drafter = (
+        f" Drafter in {metrics['drafter_dtype']}, as served beside the target." if "drafter_dtype" in metrics else ""
+    )
     if "timings" not in choice:
         return f"Target decoded in {metrics['target_dtype']}.{drafter}"
-    timed = "; ".join(f"{dtype}: one-token step {t['step_s'] * 1e3:.1f} ms, verify of {choice['verify_tokens']} "
-                      f"tokens {t['verify_s'] * 1e3:.1f} ms" for dtype, t in choice["timings"].items())
+    timed = "; ".join(
+        f"{dtype}: one-token step {t['step_s'] * 1e3:.1f} ms, verify of {choice['verify_tokens']} "
+        f"tokens {t['verify_s'] * 1e3:.1f} ms"
+        for dtype, t in choice["timings"].items()
+    )
     changed = f", not the recipe's {choice['recipe']}" if choice["chosen"] != choice["recipe"] else ""
-    return (f"Target decoded in {choice['chosen']}{changed} (every method, the target alone too), the fastest "
-            f"verify measured at the start of this eval: {timed}.{drafter}")
+    return (
+        f"Target decoded in {choice['chosen']}{changed} (every method, the target alone too), the fastest "
+        f"verify measured at the start of this eval: {timed}.{drafter}"
+    )
 
 
 def plot_speedup(metrics: dict, path: Path) -> None:
@@ -183,9 +241,16 @@ def plot_speedup(metrics: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(cols) * len(methods) / 2, 4))
     width = 0.8 / len(methods)
     for i, method in enumerate(methods):
-        means = [metrics["results"][p][t]["summary"].get(method, {}).get("speedup", {"mean": 0, "std": 0}) for p, t in cols]
-        ax.bar([x + i * width for x in range(len(cols))], [m["mean"] for m in means], width,
-               yerr=[m["std"] for m in means], label=METHOD_NAMES[method])
+        means = [
+            metrics["results"][p][t]["summary"].get(method, {}).get("speedup", {"mean": 0, "std": 0}) for p, t in cols
+        ]
+        ax.bar(
+            [x + i * width for x in range(len(cols))],
+            [m["mean"] for m in means],
+            width,
+            yerr=[m["std"] for m in means],
+            label=METHOD_NAMES[method],
+        )
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(cols))], [f"{p}\n{t}" for p, t in cols])
     ax.set_ylabel("speedup over target alone")
@@ -226,8 +291,12 @@ def write_stage_report(metrics: dict, folder: Path) -> None:
 
 def gather(runs_dir: Path) -> Path:
     """Every complete eval stage under ``runs_dir`` (ours and vLLM's) in one runs_dir/report.md."""
-    found = sorted(p for folder in ("eval", VLLM_EVAL) for p in runs_dir.glob(f"**/{folder}/metrics.json")
-                   if (p.parent / MARKER).exists())
+    found = sorted(
+        p
+        for folder in ("eval", VLLM_EVAL)
+        for p in runs_dir.glob(f"**/{folder}/metrics.json")
+        if (p.parent / MARKER).exists()
+    )
     if not found:
         raise StageInputError(f"no complete eval stage under {runs_dir}; run `make eval` first")
     sections = ["# specdraft results", ""]
@@ -252,20 +321,29 @@ def summarize_pairs(configs: dict[str, DictConfig], started: float | None) -> Pa
         metrics = json.loads((evaluation.path / "metrics.json").read_text())
         summary[pair] = {"temperatures": summary_of(metrics), "machine": machine_of(metrics)}
         header = ["method", *[f"{p} {t}" for p, t in columns(metrics)]]
-        sections += [table(speedup_table(metrics), header), "", f"report: {evaluation.path / 'report.md'}",
-                     f"plots:  {evaluation.path / 'speedup.png'}, {evaluation.path / 'acceptance.png'}", ""]
+        sections += [
+            table(speedup_table(metrics), header),
+            "",
+            f"report: {evaluation.path / 'report.md'}",
+            f"plots:  {evaluation.path / 'speedup.png'}, {evaluation.path / 'acceptance.png'}",
+            "",
+        ]
     if started:
         summary["wall_time_s"] = round(time.time() - started)
     out = Path(cfg.paths.runs_dir) / "demo-summary.json"
     out.write_text(json.dumps(summary, indent=2) + "\n")
     print("\n".join(sections))
     for pair in configs:
-        line = ", ".join(f"{t}: speedup {m['speedup']:.2f}x, tau {m['tau']:.2f}, alpha {m['alpha']:.2f}"
-                         for t, m in summary[pair]["temperatures"].items())
+        line = ", ".join(
+            f"{t}: speedup {m['speedup']:.2f}x, tau {m['tau']:.2f}, alpha {m['alpha']:.2f}"
+            for t, m in summary[pair]["temperatures"].items()
+        )
         print(f"{pair} speculative (ours) — {line}")
         m = summary[pair]["machine"]
-        print(f"{pair} on {m['cpu']}: target in {m['target_dtype']}, {cost_line(m)}, K chosen: "
-              + "; ".join(f"{t} " + ", ".join(f"{method} {k}" for method, k in ks.items()) for t, ks in m["k"].items()))
+        print(
+            f"{pair} on {m['cpu']}: target in {m['target_dtype']}, {cost_line(m)}, K chosen: "
+            + "; ".join(f"{t} " + ", ".join(f"{method} {k}" for method, k in ks.items()) for t, ks in m["k"].items())
+        )
     if started:
         print(f"demo wall time: {summary['wall_time_s'] / 60:.1f} min")
     return out
@@ -274,7 +352,15 @@ def summarize_pairs(configs: dict[str, DictConfig], started: float | None) -> Pa
 def machine_of(metrics: dict) -> dict:
     """Where and how the eval measured: CPU model and flags, the target's dtype, c, v(K) and the chosen K."""
     env = metrics["environment"]
-    return {"cpu": env["cpu"], "cpu_flags": env.get("cpu_flags", []), "target_dtype": metrics["target_dtype"],
-            "c": metrics["costs"]["c"], "v": metrics["costs"]["v"], "draft": metrics["costs"].get("draft"),
-            "k": {t: {method: choice["recommended_k"] for method, choice in by_method.items()}
-                  for t, by_method in (metrics.get("k_choice") or {}).items()}}
+    return {
+        "cpu": env["cpu"],
+        "cpu_flags": env.get("cpu_flags", []),
+        "target_dtype": metrics["target_dtype"],
+        "c": metrics["costs"]["c"],
+        "v": metrics["costs"]["v"],
+        "draft": metrics["costs"].get("draft"),
+        "k": {
+            t: {method: choice["recommended_k"] for method, choice in by_method.items()}
+            for t, by_method in (metrics.get("k_choice") or {}).items()
+        },
+    }

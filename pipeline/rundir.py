@@ -54,11 +54,12 @@ MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
 
 # Keys inside the sections a stage hashes (registry.Stage.sections) that do not change its result, so changing
-# them keeps its hash: how often training logs and checkpoints, whether it resumes, and how many processes share each step
-# (``batch_size`` is the global batch, split over the processes: the same data and loss per step; the eval's
+# them keeps its hash: how often training logs and checkpoints, whether it resumes, and how many processes share
+# each step (``batch_size`` is the global batch, split over the processes: the same data and loss per step; the eval's
 # processes decode disjoint prompts with the same seeds: the same counts).
 RESULT_NEUTRAL = {
-    f"train.{stage}": ("log_every", "save_every", "resume", "launch", "num_processes") for stage in ("pretrain", "finetune")
+    f"train.{stage}": ("log_every", "save_every", "resume", "launch", "num_processes")
+    for stage in ("pretrain", "finetune")
 } | {"eval": ("processes",)}
 
 
@@ -117,13 +118,13 @@ class StageDir:
     stage: str
     path: Path
     config_hash: str
-    inputs: dict[str, "StageDir"] = field(default_factory=dict)
+    inputs: dict[str, StageDir] = field(default_factory=dict)
     # an input distill of distill.num_shards > 1: its shards' directories (``path`` is the folder holding them)
-    shards: list["StageDir"] = field(default_factory=list)
+    shards: list[StageDir] = field(default_factory=list)
     contents: dict[str, str] = field(default_factory=dict)  # input_contents: in the hash, recorded in the manifest
 
     @property
-    def parts(self) -> list["StageDir"]:
+    def parts(self) -> list[StageDir]:
         """The directories holding this output: the shards of a sharded distill, else the directory itself."""
         return self.shards or [self]
 
@@ -149,7 +150,9 @@ class StageDir:
         recorded = self.recorded().get("input_contents")
         if recorded is None:
             return "made before input contents were recorded"
-        changed = [f"{what} {recorded.get(what)} -> {now}" for what, now in self.contents.items() if recorded.get(what) != now]
+        changed = [
+            f"{what} {recorded.get(what)} -> {now}" for what, now in self.contents.items() if recorded.get(what) != now
+        ]
         return f"changed: {', '.join(changed)}" if changed else "another config"
 
     @property
@@ -170,11 +173,15 @@ class StageDir:
             handle.seek(0)
             holder = handle.read().strip() or "unknown"
             handle.close()
-            raise StageConflictError(f"another {self.stage} run holds {self.path} ({holder}): wait for it to end or "
-                                     "stop it; this run changed nothing") from None
+            raise StageConflictError(
+                f"another {self.stage} run holds {self.path} ({holder}): wait for it to end or "
+                "stop it; this run changed nothing"
+            ) from None
         try:
             handle.truncate(0)
-            handle.write(f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
+            handle.write(
+                f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
+            )
             handle.flush()
             yield self
         finally:
@@ -250,7 +257,10 @@ def shard_args(cfg: DictConfig, shard: int | str | None = None) -> tuple[str, ..
     """The overrides that name a distill shard (``shard``, else the config's own), none when unsharded."""
     if cfg.distill.num_shards == 1:
         return ()
-    return f"distill.num_shards={cfg.distill.num_shards}", f"distill.shard={cfg.distill.shard if shard is None else shard}"
+    return (
+        f"distill.num_shards={cfg.distill.num_shards}",
+        f"distill.shard={cfg.distill.shard if shard is None else shard}",
+    )
 
 
 def distill_input(cfg: DictConfig, check_inputs: bool) -> StageDir:
@@ -258,45 +268,65 @@ def distill_input(cfg: DictConfig, check_inputs: bool) -> StageDir:
     (its readers' upstream hash) is the shards' config without the shard index."""
     if cfg.distill.num_shards == 1:
         return stage_dir(cfg, "distill", check_inputs)
-    shards = [stage_dir(OmegaConf.merge(cfg, {"distill": {"shard": shard}}), "distill", check_inputs)
-              for shard in range(cfg.distill.num_shards)]
+    shards = [
+        stage_dir(OmegaConf.merge(cfg, {"distill": {"shard": shard}}), "distill", check_inputs)
+        for shard in range(cfg.distill.num_shards)
+    ]
     keys = [key for key in hashed_keys(cfg, "distill") if key != "distill.shard"]
     contents = input_contents(cfg, "distill")
-    return StageDir(stage="distill", path=shard_set_path(cfg), config_hash=config_hash(cfg, keys, contents),
-                    shards=shards, contents=contents)
+    return StageDir(
+        stage="distill",
+        path=shard_set_path(cfg),
+        config_hash=config_hash(cfg, keys, contents),
+        shards=shards,
+        contents=contents,
+    )
 
 
 def check_shards(cfg: DictConfig, stage: str, distill: StageDir) -> None:
     """Every shard of the distill set complete and of the current config, else one line naming the shards to run."""
     incomplete = [s for s, part in enumerate(distill.shards) if not part.is_complete()]
-    stale = [s for s, part in enumerate(distill.shards) if part.is_complete() and part.recorded_hash() != part.config_hash]
+    stale = [
+        s for s, part in enumerate(distill.shards) if part.is_complete() and part.recorded_hash() != part.config_hash
+    ]
     if incomplete or stale:
         shards, extra = (incomplete, ()) if incomplete else (stale, ("force=true",))
         listed = ", ".join(map(str, shards))
         state = "not complete" if incomplete else "made with another config"
         raise StageInputError(
             f"{stage} reads all {cfg.distill.num_shards} distill shards of {distill.path}, and shard(s) {listed} "
-            f"{'is' if len(shards) == 1 else 'are'} {state}: run `{make_command(cfg, 'distill', (*shard_args(cfg, 'K'), *extra))}` "
+            f"{'is' if len(shards) == 1 else 'are'} {state}: "
+            f"run `{make_command(cfg, 'distill', (*shard_args(cfg, 'K'), *extra))}` "
             f"for K in {' '.join(map(str, shards))} (slurm/submit.sh --distill-shards {cfg.distill.num_shards} runs "
-            "them as an array)")
+            "them as an array)"
+        )
 
 
 def stage_dir(cfg: DictConfig, stage: str, check_inputs: bool = True) -> StageDir:
     """The stage's directory with its inputs resolved; fails fast when an input is not complete."""
-    inputs = {name: distill_input(cfg, check_inputs) if name == "distill" else stage_dir(cfg, name, check_inputs)
-              for name in registered(stage).inputs(cfg)}
+    inputs = {
+        name: distill_input(cfg, check_inputs) if name == "distill" else stage_dir(cfg, name, check_inputs)
+        for name in registered(stage).inputs(cfg)
+    }
     if check_inputs:
         for name, upstream in inputs.items():
             if upstream.shards:
                 check_shards(cfg, stage, upstream)
                 continue
             if not upstream.is_complete():
-                sharded = sorted(p.name for p in upstream.path.parent.glob(f"{upstream.path.name}.shards-*")) \
-                    if name == "distill" else []
+                sharded = (
+                    sorted(p.name for p in upstream.path.parent.glob(f"{upstream.path.name}.shards-*"))
+                    if name == "distill"
+                    else []
+                )
                 raise StageInputError(
                     f"{stage} needs the {name} output {upstream.path}, which is not complete: "
-                    f"run `{make_command(cfg, name)}` first" +
-                    (f" (or pass distill.num_shards=N to read a sharded one: {', '.join(sharded)})" if sharded else "")
+                    f"run `{make_command(cfg, name)}` first"
+                    + (
+                        f" (or pass distill.num_shards=N to read a sharded one: {', '.join(sharded)})"
+                        if sharded
+                        else ""
+                    )
                 )
             if upstream.recorded_hash() != upstream.config_hash:
                 raise StageInputError(
@@ -305,8 +335,9 @@ def stage_dir(cfg: DictConfig, stage: str, check_inputs: bool = True) -> StageDi
                 )
     contents = input_contents(cfg, stage)
     digest = config_hash(cfg, hashed_keys(cfg, stage), {name: d.config_hash for name, d in inputs.items()} | contents)
-    return StageDir(stage=stage, path=stage_path(cfg, stage, digest), config_hash=digest, inputs=inputs,
-                    contents=contents)
+    return StageDir(
+        stage=stage, path=stage_path(cfg, stage, digest), config_hash=digest, inputs=inputs, contents=contents
+    )
 
 
 def prompts_file(cfg: DictConfig) -> Path | None:
@@ -316,8 +347,9 @@ def prompts_file(cfg: DictConfig) -> Path | None:
         return None
     name = data.source_file or hub.file
     if not name or not Path(name).is_file():
-        raise ConfigError(f"prompts file {name} does not exist: set data.source_file (or lang.hub.file) to a JSONL "
-                          "or TSV file")
+        raise ConfigError(
+            f"prompts file {name} does not exist: set data.source_file (or lang.hub.file) to a JSONL or TSV file"
+        )
     return Path(name)
 
 
@@ -339,8 +371,8 @@ def input_contents(cfg: DictConfig, stage: str) -> dict[str, str]:
 
 def hashed_keys(cfg: DictConfig, stage: str) -> list[str]:
     """The config keys a stage's hash covers: its sections, less their RESULT_NEUTRAL keys, and less the
-    finetune's on-policy phase and either training's parallel drafting while they are off, its data_fraction while it is 1 and an unsharded distill's shard
-    keys (stages made before they existed keep their hash)."""
+    finetune's on-policy phase and either training's parallel drafting while they are off, its data_fraction while
+    it is 1 and an unsharded distill's shard keys (stages made before they existed keep their hash)."""
     keys = []
     for key in registered(stage).sections:
         neutral = RESULT_NEUTRAL.get(key)

@@ -46,6 +46,7 @@ def exit_on_preemption(message: str):
     """SIGTERM/SIGUSR1 end what it wraps (a whole stage) with exit 75 and ``message``, which says what is kept and
     that the same command continues; where a stage can stop more gently (the training loop, the eval's decodes,
     the accelerate workers), its own handler takes over inside. Also a decorator."""
+
     def stop(signum, frame):
         print(f"{message} (stopped by {signal.Signals(signum).name})", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_PREEMPTED)
@@ -70,8 +71,10 @@ def worker_error(errors_dir: Path, stage: str, code: int) -> Exception:
     cls = getattr(importlib.import_module(module), name, None) if first["user_error"] else None
     if isinstance(cls, type) and issubclass(cls, USER_ERRORS):
         return cls(first["message"])
-    return RuntimeError(f"the worker processes of {stage} failed with exit code {code}: rank {first['rank']} raised "
-                        f"{first['type']}: {first['message']}")
+    return RuntimeError(
+        f"the worker processes of {stage} failed with exit code {code}: rank {first['rank']} raised "
+        f"{first['type']}: {first['message']}"
+    )
 
 
 def report_error(exc: Exception) -> Exception | None:
@@ -81,8 +84,13 @@ def report_error(exc: Exception) -> Exception | None:
     errors_dir = os.environ.get(WORKER_ERRORS_ENV)
     if errors_dir:
         rank = int(os.environ.get("RANK", "0"))
-        report = {"rank": rank, "type": f"{type(exc).__module__}.{type(exc).__qualname__}", "message": str(exc),
-                  "user_error": isinstance(exc, USER_ERRORS), "time": time.time()}
+        report = {
+            "rank": rank,
+            "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+            "message": str(exc),
+            "user_error": isinstance(exc, USER_ERRORS),
+            "time": time.time(),
+        }
         Path(errors_dir).mkdir(parents=True, exist_ok=True)
         write_atomic(Path(errors_dir) / f"rank-{rank}.json", json.dumps(report) + "\n")
     return exc if isinstance(exc, USER_ERRORS) else None

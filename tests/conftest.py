@@ -40,6 +40,11 @@ def vllm_server(tmp_path_factory, smollm_path):
     and ~5 GB of memory. Use ``vllm_server.endpoint`` (url, api_key); tests must not stop it."""
     from pipeline.serving.server import VLLMServer
 
-    with VLLMServer(smollm_path, "smollm2-135m", tmp_path_factory.mktemp("vllm"), REPO_ROOT / "runs" / "cache" / "vllm",
-                    max_model_len=2048) as server:
+    with VLLMServer(
+        smollm_path,
+        "smollm2-135m",
+        tmp_path_factory.mktemp("vllm"),
+        REPO_ROOT / "runs" / "cache" / "vllm",
+        max_model_len=2048,
+    ) as server:
         yield server

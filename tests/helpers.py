@@ -21,22 +21,49 @@ PROMPT = torch.tensor([[1, 5, 9, 13, 5, 9, 22, 3]])
 SMOLLM_VOCAB = 49152
 
 
-def tiny_llama(seed: int, vocab: int, hidden: int = 32, intermediate: int = 64, layers: int = 1,
-               kv_heads: int | None = None, positions: int = 64, **config) -> LlamaForCausalLM:
+def tiny_llama(
+    seed: int,
+    vocab: int,
+    hidden: int = 32,
+    intermediate: int = 64,
+    layers: int = 1,
+    kv_heads: int | None = None,
+    positions: int = 64,
+    **config,
+) -> LlamaForCausalLM:
     """A Llama of two attention heads (``kv_heads`` of them shared; None: one each), in eval mode."""
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                                        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=kv_heads,
-                                        max_position_embeddings=positions, **config)).eval()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=positions,
+            **config,
+        )
+    ).eval()
 
 
 def tiny_gemma3(seed: int, vocab: int, layer_types: list[str]) -> Gemma3ForCausalLM:
     """Gemma 3's layout: sliding-window layers (a window of 6, far shorter than the sequences) beside full ones."""
     torch.manual_seed(seed)
-    return Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
-                                              num_hidden_layers=len(layer_types), num_attention_heads=2,
-                                              num_key_value_heads=1, head_dim=16, sliding_window=6,
-                                              layer_types=layer_types, max_position_embeddings=256)).eval()
+    return Gemma3ForCausalLM(
+        Gemma3TextConfig(
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=len(layer_types),
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            sliding_window=6,
+            layer_types=layer_types,
+            max_position_embeddings=256,
+        )
+    ).eval()
 
 
 def reduced_copy(model, vocab_map: VocabMap):
@@ -68,7 +95,7 @@ def full_greedy(model, prompt: torch.Tensor, steps: int) -> list[int]:
         for _ in range(steps):
             token = model(input_ids=sequence).logits[:, -1].argmax(-1, keepdim=True)
             sequence = torch.cat([sequence, token], dim=1)
-    return sequence[0, prompt.shape[1]:].tolist()
+    return sequence[0, prompt.shape[1] :].tolist()
 
 
 def chi2_critical(df: int, z: float = 3.719) -> float:
@@ -91,10 +118,20 @@ def assert_follows(samples: torch.Tensor, expected: torch.Tensor, max_tv: float 
 
 def short_sharegpt(count: int):
     """A ShareGPT of ``count`` short conversations (the package's has 17,671), as iter_conversations yields them."""
+
     def conversations(limit=None):
-        rows = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Question number {i}?"},
-                                                  {"from": "gpt", "value": f"Answer number {i}."}]} for i in range(count)]
+        rows = [
+            {
+                "id": f"c{i}",
+                "conversations": [
+                    {"from": "human", "value": f"Question number {i}?"},
+                    {"from": "gpt", "value": f"Answer number {i}."},
+                ],
+            }
+            for i in range(count)
+        ]
         return iter(rows[:limit])
+
     return conversations
 
 
@@ -104,15 +141,20 @@ def finished_finetune(cfg, smollm_path: str) -> None:
     from pipeline.models.drafter import build_drafter
 
     tokenizer = AutoTokenizer.from_pretrained(smollm_path)
-    counts = torch.bincount(torch.tensor(tokenizer("Guten Morgen, the quick brown fox. " * 50).input_ids),
-                            minlength=SMOLLM_VOCAB)
+    counts = torch.bincount(
+        torch.tensor(tokenizer("Guten Morgen, the quick brown fox. " * 50).input_ids), minlength=SMOLLM_VOCAB
+    )
     vocab = VocabMap.most_frequent(counts, 2000, always=tokenizer.all_special_ids)
     for stage in ("distill", "pretrain", "finetune"):
         directory = stage_dir(cfg, stage, check_inputs=False)
         assert directory.begin(cfg)
         if stage == "finetune":
-            save_drafter(build_drafter(cfg.drafter, smollm_path, vocab, seed=0)[0], smollm_path, vocab,
-                         directory.path / "drafter")
+            save_drafter(
+                build_drafter(cfg.drafter, smollm_path, vocab, seed=0)[0],
+                smollm_path,
+                vocab,
+                directory.path / "drafter",
+            )
         directory.finish(cfg, {})
 
 

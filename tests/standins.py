@@ -46,14 +46,62 @@ GEMMA_CHAT_TEMPLATE = (  # google/gemma-7b-it's tokenizer_config.json
 
 # (German, English, Chinese, Japanese, French): the sentences of every stand-in dataset
 SENTENCES = [
-    ("Das Wetter ist heute sehr schön.", "The weather is very nice today.", "今天天气很好。", "今日はとても良い天気です。", "Il fait très beau aujourd'hui."),
-    ("Bitte schicken Sie mir die Unterlagen bis Freitag.", "Please send me the documents by Friday.", "请在星期五之前把文件发给我。", "金曜日までに書類を送ってください。", "Envoyez-moi les documents avant vendredi."),
-    ("Die Sitzung wurde auf Donnerstag verschoben.", "The meeting was moved to Thursday.", "会议改到了星期四。", "会議は木曜日に変更されました。", "La réunion a été déplacée à jeudi."),
-    ("Wo ist der nächste Bahnhof?", "Where is the nearest train station?", "最近的火车站在哪里？", "一番近い駅はどこですか？", "Où est la gare la plus proche ?"),
-    ("Ich habe das Buch gestern gelesen.", "I read the book yesterday.", "我昨天读了这本书。", "昨日その本を読みました。", "J'ai lu le livre hier."),
-    ("Der Preis ist in diesem Jahr gestiegen.", "The price has risen this year.", "今年价格上涨了。", "今年は価格が上がりました。", "Le prix a augmenté cette année."),
-    ("Können Sie mir bitte helfen?", "Can you help me, please?", "你能帮我一下吗？", "手伝っていただけますか？", "Pouvez-vous m'aider, s'il vous plaît ?"),
-    ("Die Kinder spielen im Garten.", "The children are playing in the garden.", "孩子们在花园里玩。", "子供たちは庭で遊んでいます。", "Les enfants jouent dans le jardin."),
+    (
+        "Das Wetter ist heute sehr schön.",
+        "The weather is very nice today.",
+        "今天天气很好。",
+        "今日はとても良い天気です。",
+        "Il fait très beau aujourd'hui.",
+    ),
+    (
+        "Bitte schicken Sie mir die Unterlagen bis Freitag.",
+        "Please send me the documents by Friday.",
+        "请在星期五之前把文件发给我。",
+        "金曜日までに書類を送ってください。",
+        "Envoyez-moi les documents avant vendredi.",
+    ),
+    (
+        "Die Sitzung wurde auf Donnerstag verschoben.",
+        "The meeting was moved to Thursday.",
+        "会议改到了星期四。",
+        "会議は木曜日に変更されました。",
+        "La réunion a été déplacée à jeudi.",
+    ),
+    (
+        "Wo ist der nächste Bahnhof?",
+        "Where is the nearest train station?",
+        "最近的火车站在哪里？",
+        "一番近い駅はどこですか？",
+        "Où est la gare la plus proche ?",
+    ),
+    (
+        "Ich habe das Buch gestern gelesen.",
+        "I read the book yesterday.",
+        "我昨天读了这本书。",
+        "昨日その本を読みました。",
+        "J'ai lu le livre hier.",
+    ),
+    (
+        "Der Preis ist in diesem Jahr gestiegen.",
+        "The price has risen this year.",
+        "今年价格上涨了。",
+        "今年は価格が上がりました。",
+        "Le prix a augmenté cette année.",
+    ),
+    (
+        "Können Sie mir bitte helfen?",
+        "Can you help me, please?",
+        "你能帮我一下吗？",
+        "手伝っていただけますか？",
+        "Pouvez-vous m'aider, s'il vous plaît ?",
+    ),
+    (
+        "Die Kinder spielen im Garten.",
+        "The children are playing in the garden.",
+        "孩子们在花园里玩。",
+        "子供たちは庭で遊んでいます。",
+        "Les enfants jouent dans le jardin.",
+    ),
 ]
 LANGS = ("de", "en", "zh", "ja", "fr")
 
@@ -73,14 +121,23 @@ def _train_tokenizer(specials: list[str], bos: str):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=800,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     corpus = [text for row in sentence_pairs(64) for text in row.values()]
-    corpus += ["Translate German to English:", "Chinese Japanese French English USER: ASSISTANT: [INST] [/INST]",
-               "A chat between a curious user and an artificial intelligence assistant.", "model user"]
+    corpus += [
+        "Translate German to English:",
+        "Chinese Japanese French English USER: ASSISTANT: [INST] [/INST]",
+        "A chat between a curious user and an artificial intelligence assistant.",
+        "model user",
+    ]
     tokenizer.train_from_iterator(corpus, trainer)
-    tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
-                                                             special_tokens=[(bos, tokenizer.token_to_id(bos))])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.token_to_id(bos))]
+    )
     return tokenizer
 
 
@@ -90,26 +147,64 @@ def family_source(family: str, folder: Path) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     if family in ("llama2", "vicuna"):
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=_train_tokenizer(["<unk>", "<s>", "</s>"], "<s>"),
-                                            bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=_train_tokenizer(["<unk>", "<s>", "</s>"], "<s>"),
+            bos_token="<s>",
+            eos_token="</s>",
+            unk_token="<unk>",
+        )
         if family == "llama2":
             tokenizer.chat_template = LLAMA2_CHAT_TEMPLATE
-            GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0, do_sample=True, temperature=0.6,
-                             top_p=0.9, max_length=4096).save_pretrained(folder)
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                             num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
-                             bos_token_id=1, eos_token_id=2, pad_token_id=None, tie_word_embeddings=False, dtype="float16")
+            GenerationConfig(
+                bos_token_id=1,
+                eos_token_id=2,
+                pad_token_id=0,
+                do_sample=True,
+                temperature=0.6,
+                top_p=0.9,
+                max_length=4096,
+            ).save_pretrained(folder)
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            max_position_embeddings=4096,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=None,
+            tie_word_embeddings=False,
+            dtype="float16",
+        )
     elif family == "gemma":
         specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=_train_tokenizer(specials, "<bos>"), bos_token="<bos>",
-                                            eos_token="<eos>", unk_token="<unk>", pad_token="<pad>",
-                                            additional_special_tokens=["<start_of_turn>", "<end_of_turn>"])
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=_train_tokenizer(specials, "<bos>"),
+            bos_token="<bos>",
+            eos_token="<eos>",
+            unk_token="<unk>",
+            pad_token="<pad>",
+            additional_special_tokens=["<start_of_turn>", "<end_of_turn>"],
+        )
         tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
         GenerationConfig(bos_token_id=2, eos_token_id=1, pad_token_id=0).save_pretrained(folder)
-        config = GemmaConfig(vocab_size=len(tokenizer), hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
-                             num_attention_heads=16, num_key_value_heads=16, head_dim=256, max_position_embeddings=8192,
-                             hidden_activation="gelu_pytorch_tanh", bos_token_id=2, eos_token_id=1, pad_token_id=0,
-                             dtype="bfloat16")
+        config = GemmaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=3072,
+            intermediate_size=24576,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            head_dim=256,
+            max_position_embeddings=8192,
+            hidden_activation="gelu_pytorch_tanh",
+            bos_token_id=2,
+            eos_token_id=1,
+            pad_token_id=0,
+            dtype="bfloat16",
+        )
     else:
         raise ValueError(f"unknown family {family}")
     tokenizer.save_pretrained(folder)
@@ -123,9 +218,18 @@ def drafter_start(family_folder: Path, folder: Path) -> Path:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(family_folder)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=768, intermediate_size=3072, num_hidden_layers=2,
-                         num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=2,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -136,10 +240,14 @@ def drafter_start(family_folder: Path, folder: Path) -> Path:
 def serve_hub(repos: dict[str, Path]) -> Iterator[str]:
     """Serve each folder as the model repo ``repo_id`` at one commit (its files' hash); yields the endpoint URL.
     Answers what huggingface_hub's snapshot_download and model_info ask: repo info, the file tree, file downloads."""
-    files = {repo: {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-             for repo, folder in repos.items()}
-    commits = {repo: hashlib.sha1(b"".join(name.encode() + data for name, data in repo_files.items())).hexdigest()
-               for repo, repo_files in files.items()}
+    files = {
+        repo: {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+        for repo, folder in repos.items()
+    }
+    commits = {
+        repo: hashlib.sha1(b"".join(name.encode() + data for name, data in repo_files.items())).hexdigest()
+        for repo, repo_files in files.items()
+    }
 
     class Hub(BaseHTTPRequestHandler):
         def log_message(self, *args) -> None:
@@ -160,16 +268,23 @@ def serve_hub(repos: dict[str, Path]) -> Iterator[str]:
             path = self.path.split("?")[0]
             for repo, repo_files in files.items():
                 if path == f"/api/models/{repo}" or path.startswith(f"/api/models/{repo}/revision/"):
-                    return self._json({"id": repo, "sha": commits[repo], "siblings": [{"rfilename": f} for f in repo_files]})
+                    return self._json(
+                        {"id": repo, "sha": commits[repo], "siblings": [{"rfilename": f} for f in repo_files]}
+                    )
                 if path.startswith(f"/api/models/{repo}/tree/"):
-                    return self._json([{"type": "file", "path": name, "size": len(data),
-                                        "oid": hashlib.sha1(data).hexdigest()} for name, data in repo_files.items()])
+                    return self._json(
+                        [
+                            {"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                            for name, data in repo_files.items()
+                        ]
+                    )
                 if path.startswith(f"/{repo}/resolve/"):
                     name = path.split("/", 5)[5]  # /org/name/resolve/<revision>/<file>
                     if name in repo_files:
                         data = repo_files[name]
-                        return self._send(200, data, {"X-Repo-Commit": commits[repo],
-                                                      "ETag": f'"{hashlib.sha1(data).hexdigest()}"'})
+                        return self._send(
+                            200, data, {"X-Repo-Commit": commits[repo], "ETag": f'"{hashlib.sha1(data).hexdigest()}"'}
+                        )
             self._send(404, b'{"error": "not found"}', {"X-Error-Code": "RepoNotFound"})
 
         do_GET = do_HEAD = _answer
@@ -208,7 +323,9 @@ def datasets_root(folder: Path) -> dict[str, Path]:
     for pair in ("de-en", "fr-en"):
         for split, rows in splits.items():
             _translation_parquet(wmt16 / pair / f"{split}-00000-of-00001.parquet", rows, *pair.split("-"))
-    _dataset_card(wmt16, {pair: {split: f"{pair}/{split}-*.parquet" for split in splits} for pair in ("de-en", "fr-en")})
+    _dataset_card(
+        wmt16, {pair: {split: f"{pair}/{split}-*.parquet" for split in splits} for pair in ("de-en", "fr-en")}
+    )
     for split in ("train", "validation"):  # wmt19 zh-en has no test split
         _translation_parquet(wmt19 / "zh-en" / f"{split}-00000-of-00001.parquet", splits[split], "zh", "en")
     _dataset_card(wmt19, {"zh-en": {split: f"zh-en/{split}-*.parquet" for split in ("train", "validation")}})
@@ -216,26 +333,45 @@ def datasets_root(folder: Path) -> dict[str, Path]:
     with gzip.open(c4 / "en" / "c4-train.00000-of-01024.json.gz", "wt") as handle:
         for i, row in enumerate(sentence_pairs(60)):
             text = " ".join([row["en"]] * 8)
-            handle.write(json.dumps({"text": text, "timestamp": "2019-04-25T12:57:54Z", "url": f"https://example.com/{i}"}) + "\n")
+            handle.write(
+                json.dumps({"text": text, "timestamp": "2019-04-25T12:57:54Z", "url": f"https://example.com/{i}"})
+                + "\n"
+            )
     _dataset_card(c4, {"en": {"train": "en/c4-train.*-of-01024.json.gz"}})
     jparacrawl = folder / "jparacrawl" / "en-ja.bicleaner05.txt"
     jparacrawl.parent.mkdir(parents=True, exist_ok=True)
-    jparacrawl.write_text("".join(f"site{i}.com\tsite{i}.jp\t0.{70 + i % 30}\t{row['en']}\t{row['ja']}\n"
-                                  for i, row in enumerate(sentence_pairs(40))))
+    jparacrawl.write_text(
+        "".join(
+            f"site{i}.com\tsite{i}.jp\t0.{70 + i % 30}\t{row['en']}\t{row['ja']}\n"
+            for i, row in enumerate(sentence_pairs(40))
+        )
+    )
     return {"wmt16": wmt16, "wmt19": wmt19, "c4": c4, "jparacrawl": jparacrawl}
 
 
 # The recipes' families and the pair each dry run takes (every data path once: WMT16, WMT19 without a test
 # split, JParaCrawl's file).
-RECIPE_FAMILIES = {"paper-vicuna": ("vicuna", "de-en"), "paper-vicuna-f-only": ("vicuna", "de-en"),
-                   "paper-llama2": ("llama2", "zh-en"), "paper-gemma": ("gemma", "ja-en")}
+RECIPE_FAMILIES = {
+    "paper-vicuna": ("vicuna", "de-en"),
+    "paper-vicuna-f-only": ("vicuna", "de-en"),
+    "paper-llama2": ("llama2", "zh-en"),
+    "paper-gemma": ("gemma", "ja-en"),
+}
 
 
-def dry_run_overrides(family_folder: Path, data: dict[str, Path], pair: str, runs_dir: Path, cache_dir: Path) -> list[str]:
+def dry_run_overrides(
+    family_folder: Path, data: dict[str, Path], pair: str, runs_dir: Path, cache_dir: Path
+) -> list[str]:
     """The config overrides that point a paper recipe's dry run at the stand-ins (hub ids -> local folders)."""
-    overrides = ["target.source=local", f"target.path={family_folder}", f"paths.runs_dir={runs_dir}",
-                 f"paths.cache_dir={cache_dir}", f"paths.models_dir={cache_dir / 'models'}",
-                 f"data.pretrain_corpora.0.hub_dataset={data['c4']}", "logger.mode=offline"]
+    overrides = [
+        "target.source=local",
+        f"target.path={family_folder}",
+        f"paths.runs_dir={runs_dir}",
+        f"paths.cache_dir={cache_dir}",
+        f"paths.models_dir={cache_dir / 'models'}",
+        f"data.pretrain_corpora.0.hub_dataset={data['c4']}",
+        "logger.mode=offline",
+    ]
     if pair == "ja-en":
         overrides.append(f"lang.hub.file={data['jparacrawl']}")
     else:

@@ -24,7 +24,10 @@ def test_the_completion_prompt_shows_the_worked_examples_the_other_way_round():
     assert prompt.startswith(f"Translate English to German: {first.tgt}\nGerman: {first.src}\n\n")
     assert prompt.endswith("Translate English to German: Good morning.\nGerman:")
     assert prompt.count("Translate English to German:") == len(cfg.lang.examples) + 1
-    assert build_prompt(cfg.target, cfg.lang, "Guten Morgen.", None) == "Translate German to English: Guten Morgen.\nEnglish:"
+    assert (
+        build_prompt(cfg.target, cfg.lang, "Guten Morgen.", None)
+        == "Translate German to English: Guten Morgen.\nEnglish:"
+    )
 
 
 def test_chat_targets_get_the_worked_examples_as_earlier_turns(smollm_path):
@@ -68,9 +71,16 @@ def test_distill_adds_the_back_translated_prompts_and_resumes_them(vllm_server, 
     from pipeline.stages.distill import load_records
 
     monkeypatch.setenv("OPENAI_API_KEY", vllm_server.endpoint.api_key)
-    args = ["recipe=ci", f"paths.runs_dir={tmp_path}", f"paths.cache_dir={REPO_ROOT / 'runs' / 'cache'}",
-            f"paths.models_dir={REPO_ROOT / 'models'}", f"distill.server.url={vllm_server.endpoint.url}",
-            "data.max_train_prompts=2", "data.back_translation=12", "distill.max_tokens=48"]
+    args = [
+        "recipe=ci",
+        f"paths.runs_dir={tmp_path}",
+        f"paths.cache_dir={REPO_ROOT / 'runs' / 'cache'}",
+        f"paths.models_dir={REPO_ROOT / 'models'}",
+        f"distill.server.url={vllm_server.endpoint.url}",
+        "data.max_train_prompts=2",
+        "data.back_translation=12",
+        "distill.max_tokens=48",
+    ]
     assert main(["distill", *args]) == 0
     cfg = compose_config(args)
     path = stage_dir(cfg, "distill").path
@@ -84,9 +94,13 @@ def test_distill_adds_the_back_translated_prompts_and_resumes_them(vllm_server, 
     for key in sorted(reverse_records):
         record, text = reverse_records[key], reverse_records[key]["response"].strip()
         best = detect(text.replace("\n", " "), model="lite")[0]
-        if (record["finish_reason"] == "stop" and cfg.data.min_chars <= len(text) <= cfg.data.max_chars
-                and best["lang"] == cfg.lang.src and best["score"] >= LANGID_MIN_SCORE
-                and text_id(text) not in {ex.id for ex in train + heldout} | set(expected)):
+        if (
+            record["finish_reason"] == "stop"
+            and cfg.data.min_chars <= len(text) <= cfg.data.max_chars
+            and best["lang"] == cfg.lang.src
+            and best["score"] >= LANGID_MIN_SCORE
+            and text_id(text) not in {ex.id for ex in train + heldout} | set(expected)
+        ):
             expected[text_id(text)] = {"src": text, "ref": record["src"]}
     assert expected  # T=0: SmolLM2 writes the same usable German every run
     records = load_records(path / "records")
@@ -100,8 +114,12 @@ def test_distill_adds_the_back_translated_prompts_and_resumes_them(vllm_server, 
     assert sum(stats["back_translation"]["rejected"].values()) == 12 - len(expected)
     added_examples, rejected = new_sources(list(reverse_records.values()), cfg, {ex.id for ex in train + heldout})
     assert stats["back_translation"] == {
-        "segments": 12, "answered": 12, "prompts_added": len(added_examples), "rejected": dict(rejected),
-        "completion_tokens": sum(r["completion_tokens"] for r in reverse_records.values())}
+        "segments": 12,
+        "answered": 12,
+        "prompts_added": len(added_examples),
+        "rejected": dict(rejected),
+        "completion_tokens": sum(r["completion_tokens"] for r in reverse_records.values()),
+    }
 
     # A rerun of an interrupted stage asks for nothing twice.
     (path / "COMPLETE").unlink()

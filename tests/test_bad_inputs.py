@@ -48,11 +48,14 @@ def test_broken_yaml_in_the_config_dir_names_its_file_and_line(tmp_path, capsys,
     assert not [w for w in recwarn if "hydra.searchpath" in str(w.message)]
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["drafter.source=local", "drafter.path={missing}"], "drafter.path"),
-    (["drafter.init_from={missing}"], "drafter.init_from"),
-    (["target.source=local", "target.path={missing}"], "target.path"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["drafter.source=local", "drafter.path={missing}"], "drafter.path"),
+        (["drafter.init_from={missing}"], "drafter.init_from"),
+        (["target.source=local", "target.path={missing}"], "target.path"),
+    ],
+)
 def test_a_missing_model_folder_names_its_key_before_anything_is_written(runs_dir, tmp_path, capsys, overrides, key):
     missing = tmp_path / "no" / "such-model"
     argv = ["pretrain", "recipe=ci", f"paths.runs_dir={runs_dir}", *(o.format(missing=missing) for o in overrides)]
@@ -63,8 +66,16 @@ def test_a_missing_model_folder_names_its_key_before_anything_is_written(runs_di
 
 def test_a_hub_id_the_offline_cache_lacks_names_make_prepare(runs_dir, capsys, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    err = one_line_error(capsys, ["pretrain", "recipe=ci", f"paths.runs_dir={runs_dir}", "target.source=hub",
-                                  "target.path=meta-llama/Llama-2-7b-chat-hff"])
+    err = one_line_error(
+        capsys,
+        [
+            "pretrain",
+            "recipe=ci",
+            f"paths.runs_dir={runs_dir}",
+            "target.source=hub",
+            "target.path=meta-llama/Llama-2-7b-chat-hff",
+        ],
+    )
     assert "meta-llama/Llama-2-7b-chat-hff@main" in err and "make prepare RECIPE=ci LANG=de-en" in err
     assert not runs_dir.exists()
 
@@ -98,10 +109,21 @@ def test_a_corrupt_prompts_file_line_names_path_and_line(tmp_path, capsys):
 
 def train_two_steps(out_dir, max_steps: int = 2):
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, max_position_embeddings=16, pad_token_id=0))
-    tc = OmegaConf.merge(OmegaConf.structured(TrainConfig),
-                         dict(batch_size=2, max_length=8, max_steps=max_steps, save_every=1, log_every=1))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=16,
+            pad_token_id=0,
+        )
+    )
+    tc = OmegaConf.merge(
+        OmegaConf.structured(TrainConfig),
+        dict(batch_size=2, max_length=8, max_steps=max_steps, save_every=1, log_every=1),
+    )
     examples = [{"input_ids": torch.arange(1, 9) + i, "labels": torch.arange(1, 9) + i} for i in range(4)]
     out_dir.mkdir(parents=True, exist_ok=True)
     return loop.train(tc, model, examples, Collator(0, None), out_dir, lambda metrics, step: None, seed=0)

@@ -17,8 +17,7 @@ from pipeline.config_reference import documented_keys
 
 
 def specdraft(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, capture_output=True, text=True,
-                          env=env)
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, capture_output=True, text=True, env=env)
 
 
 @pytest.mark.parametrize("command", [[], *([name] for name in cli.COMMANDS)])
@@ -45,9 +44,14 @@ def test_list_prints_each_kind_and_one_kind_a_name_per_line(tmp_path, capsys):
     assert capsys.readouterr().out.split() == bench.names() and "engine" in bench.names()
 
 
-@pytest.mark.parametrize("argv,start", [(["bogus"], "error: argument COMMAND: invalid choice"),
-                                        (["list", "nope"], "error: specdraft list: unknown nope"),
-                                        (["distill", "lang=xx-yy"], "error: unknown lang 'xx-yy'")])
+@pytest.mark.parametrize(
+    "argv,start",
+    [
+        (["bogus"], "error: argument COMMAND: invalid choice"),
+        (["list", "nope"], "error: specdraft list: unknown nope"),
+        (["distill", "lang=xx-yy"], "error: unknown lang 'xx-yy'"),
+    ],
+)
 def test_errors_are_one_line_and_exit_2(argv, start, tmp_path):
     result = specdraft(*argv, cwd=tmp_path)
     assert result.returncode == 2
@@ -60,10 +64,12 @@ def user_configs(tmp_path, monkeypatch):
     folder = tmp_path / "my-configs"
     (folder / "target").mkdir(parents=True)
     (folder / "target" / "mine.yaml").write_text(
-        "name: mine\nsource: hub\npath: my-org/my-chat-7b\ndtype: bfloat16\nprompt_format: chat\n")
+        "name: mine\nsource: hub\npath: my-org/my-chat-7b\ndtype: bfloat16\nprompt_format: chat\n"
+    )
     (folder / "recipes").mkdir()
     (folder / "recipes" / "mine.yaml").write_text(
-        "defaults:\n  - paper-vicuna\n  - override /target: mine\n  - _self_\n\nrecipe: mine\n")
+        "defaults:\n  - paper-vicuna\n  - override /target: mine\n  - _self_\n\nrecipe: mine\n"
+    )
     monkeypatch.setenv(USER_CONFIG_ENV, "")  # none yet (empty is none); restored after the test, which sets it
     return folder
 
@@ -99,16 +105,36 @@ def test_wheel_carries_the_configs_and_runs_outside_the_repository(tmp_path):
         shutil.copytree(REPO_ROOT / name, source / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO_ROOT / name, source / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path / "dist"), str(source)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = (tmp_path / "dist").glob("specdraft-*.whl")
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
     env.pop(USER_CONFIG_ENV, None)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    where = subprocess.run([sys.executable, "-c", "import pipeline; print(pipeline.__file__)"], cwd=elsewhere,
-                           env=env, capture_output=True, text=True, check=True)
+    where = subprocess.run(
+        [sys.executable, "-c", "import pipeline; print(pipeline.__file__)"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert where.stdout.startswith(str(tmp_path / "site"))
     listed = specdraft("list", "recipes", cwd=elsewhere, env=env)
     assert listed.returncode == 0 and listed.stdout.split() == options("recipe")

@@ -89,7 +89,12 @@ def test_paper_recipes_carry_the_paper_settings():
     assert f_only.train.finetune.mode.value == "finetune_only" and f_only.train.finetune.epochs == 5
     gemma = compose_config(["recipe=paper-gemma"]).drafter
     assert (gemma.hidden_size, gemma.intermediate_size, gemma.num_heads, gemma.num_layers, gemma.num_kv_heads) == (
-        768, 6144, 16, 2, 2)
+        768,
+        6144,
+        16,
+        2,
+        2,
+    )
     assert gemma.hidden_act.startswith("gelu") and gemma.rms_norm_eps == 1e-6
 
 
@@ -104,7 +109,10 @@ def test_paper_recipes_carry_the_paper_settings():
         (["train.finetune.lr=fast"], "train.finetune.lr: Value 'fast' of type 'str' could not be converted to Float"),
         (["train.finetune.mode=both"], "expected one of [pretrain_finetune, finetune_only]"),
         (["drafter.num_heads=3"], "not divisible by drafter.num_heads 3"),
-        (["drafter.source=hub", "drafter.path=JackFram/llama-68m", "drafter.embeddings_from_target=true"], "needs drafter.source=init, not hub"),
+        (
+            ["drafter.source=hub", "drafter.path=JackFram/llama-68m", "drafter.embeddings_from_target=true"],
+            "needs drafter.source=init, not hub",
+        ),
         (["eval.num_draft_tokens=0"], "must be >= 1"),
         (["train.pretrain.launch=nope"], "launch 'nope' unknown; valid: ddp"),
         (["eval.methods=[target,router]"], "the router is not a method; set eval.router_langs"),
@@ -114,10 +122,14 @@ def test_paper_recipes_carry_the_paper_settings():
         (["scaling.fractions=[0.5,2]"], "scaling.fractions must be shares of the distilled prompts in (0, 1]"),
         (["scaling.anchors=[pf@0.3]"], "scaling.anchors: pf@0.3 not among the points; valid: f_only@0.125,"),
         (["scaling.series=[pf,both]"], "expected one of [pf, f_only, pf_on_policy, f_only_on_policy]"),
-        (["train.pretrain.mixed_precision=fp32"],
-         "train.pretrain.mixed_precision: Invalid value 'fp32', expected one of [no, bf16, fp16]"),
-        (["train.finetune.resume=sometimes"], "train.finetune.resume: Invalid value 'sometimes', expected one of "
-                                              "[auto, never]"),
+        (
+            ["train.pretrain.mixed_precision=fp32"],
+            "train.pretrain.mixed_precision: Invalid value 'fp32', expected one of [no, bf16, fp16]",
+        ),
+        (
+            ["train.finetune.resume=sometimes"],
+            "train.finetune.resume: Invalid value 'sometimes', expected one of [auto, never]",
+        ),
         (["eval.engine=tgi"], "eval.engine: Invalid value 'tgi', expected one of [transformers, vllm]"),
         (["data.back_translation=10", "data.sources=hub"], "data.back_translation works on offline sources"),
         (["data.back_translation=10", "lang=de-en", "lang.examples=[]"], "conf/lang/de-en.yaml has no `examples`"),
@@ -140,11 +152,14 @@ def test_a_bad_file_in_the_config_dir_is_a_one_line_error(tmp_path, monkeypatch)
     (tmp_path / "target" / "typo.yaml").write_text("name: typo\nsourc: hub\npath: x\n")
     (tmp_path / "target" / "wrong.yaml").write_text("name: wrong\nsource: hubb\npath: x\n")
     (tmp_path / "recipes").mkdir()
-    (tmp_path / "recipes" / "gone.yaml").write_text("defaults:\n  - specdraft\n  - override target: nope\n  - _self_\n"
-                                                   "recipe: gone\n")
-    expected = {"target=typo": "target.sourc: Key 'sourc' not in 'TargetConfig'; valid keys: name, source, path,",
-                "target=wrong": "target.source: Invalid value 'hubb', expected one of [gguf_package, hub, local, init]",
-                "recipe=gone": "a defaults list names 'target/nope', which no config directory has; valid: gemma"}
+    (tmp_path / "recipes" / "gone.yaml").write_text(
+        "defaults:\n  - specdraft\n  - override target: nope\n  - _self_\nrecipe: gone\n"
+    )
+    expected = {
+        "target=typo": "target.sourc: Key 'sourc' not in 'TargetConfig'; valid keys: name, source, path,",
+        "target=wrong": "target.source: Invalid value 'hubb', expected one of [gguf_package, hub, local, init]",
+        "recipe=gone": "a defaults list names 'target/nope', which no config directory has; valid: gemma",
+    }
     for override, message in expected.items():
         with pytest.raises(ConfigError) as info:
             compose_config([override])
@@ -153,21 +168,34 @@ def test_a_bad_file_in_the_config_dir_is_a_one_line_error(tmp_path, monkeypatch)
 
 def test_a_variant_with_a_bad_override_is_a_one_line_error():
     cfg = compose_config(["recipe=ci"])
-    with pytest.raises(ConfigError, match=r"^train\.finetune\.lr: Value 'fast' of type 'str' could not be converted to "
-                                          r"Float$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^train\.finetune\.lr: Value 'fast' of type 'str' could not be converted to "
+        r"Float$",
+    ):
         with_overrides(cfg, ["train.finetune.lr=fast"])
     with pytest.raises(ConfigError, match=r"^train\.finetune\.lrr: Key 'lrr' not in 'FinetuneConfig'; valid keys: lr,"):
         with_overrides(cfg, ["train.finetune.lrr=1"])
-    with pytest.raises(ConfigError, match=r"^train\.pretrain\.mixed_precision: Invalid value 'False', expected one of "
-                                          r"\[no, bf16, fp16\]; YAML reads an unquoted no as false: write \"no\"$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^train\.pretrain\.mixed_precision: Invalid value 'False', expected one of "
+        r"\[no, bf16, fp16\]; YAML reads an unquoted no as false: write \"no\"$",
+    ):
         with_overrides(cfg, ["train.pretrain.mixed_precision=no"])  # OmegaConf's dotlist is YAML
 
 
 def test_closed_sets_are_enums_that_compare_as_strings():
     """mixed_precision, resume, eval.engine and the items of eval.methods are Enums of the schema: the YAML files
     compose unchanged and the code's comparisons with strings hold."""
-    cfg = compose_config(["recipe=ci", "eval.engine=vllm", "eval.methods=[target,speculative]",
-                          "train.pretrain.mixed_precision=bf16", "train.finetune.resume=never"])
+    cfg = compose_config(
+        [
+            "recipe=ci",
+            "eval.engine=vllm",
+            "eval.methods=[target,speculative]",
+            "train.pretrain.mixed_precision=bf16",
+            "train.finetune.resume=never",
+        ]
+    )
     assert cfg.eval.engine == "vllm" and "speculative" in cfg.eval.methods and "pld" not in cfg.eval.methods
     assert cfg.train.pretrain.mixed_precision.value == "bf16" and cfg.train.finetune.resume == "never"
     assert compose_config(["recipe=paper-vicuna"]).train.finetune.mixed_precision == "bf16"

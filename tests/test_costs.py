@@ -15,8 +15,10 @@ from pipeline.models.provision import load_model, load_tokenizer
 from pipeline.speculative.costs import choose_k, cost_line, dtype_candidates, no_k_pays, pick_dtype
 from pipeline.speculative.engine import CachedModel, ModelDrafter, PromptLookupDrafter, generate, top2_gap
 
-PROMPTS = ["Translate German to English: Das Treffen wurde verschoben, weil der Zug Verspätung hatte.\nEnglish:",
-           "Translate German to English: Wir sehen uns morgen um neun Uhr im Büro.\nEnglish:"]
+PROMPTS = [
+    "Translate German to English: Das Treffen wurde verschoben, weil der Zug Verspätung hatte.\nEnglish:",
+    "Translate German to English: Wir sehen uns morgen um neun Uhr im Büro.\nEnglish:",
+]
 
 
 def test_candidates_are_the_recipe_dtype_then_the_native_half_precision_ones():
@@ -38,7 +40,7 @@ def test_k_is_the_best_predicted_and_zero_when_nothing_pays():
     v = {2: 1.05, 4: 1.10, 6: 1.20}
     # measured at K=4 only: the other Ks from the acceptance rate that reproduces tau 3.36 at K=4 (alpha 0.8)
     good = choose_k({4: 3.3616}, 0.05, v)
-    assert good["tau"][4] == 3.3616 and good["tau"][6] == pytest.approx(1 + sum(0.8 ** i for i in range(1, 7)), abs=1e-3)
+    assert good["tau"][4] == 3.3616 and good["tau"][6] == pytest.approx(1 + sum(0.8**i for i in range(1, 7)), abs=1e-3)
     assert good["k"] == 6 and good["recommended_k"] == 6
     weak = choose_k({2: 1.39, 4: 1.43, 6: 1.43}, 0.05, v)  # measured at every K: used as measured
     assert weak["k"] == 2 and weak["recommended_k"] == 2 and weak["predicted_speedup"][2] == pytest.approx(1.39 / 1.15)
@@ -46,9 +48,11 @@ def test_k_is_the_best_predicted_and_zero_when_nothing_pays():
     hopeless = choose_k({2: 1.25, 4: 1.32, 6: 1.33}, 0.055, {2: 1.86, 4: 2.07, 6: 2.19})
     assert hopeless["recommended_k"] == 0 and hopeless["k"] == 2
     line = no_k_pays("speculative", 4, 0.055, 2.07, 1.32, "CPU (Intel Xeon)")
-    assert line == ("speculative: no K pays on this CPU (Intel Xeon): a round of 4 drafts costs 2.29 target steps "
-                    "(4 × c 0.055 + v(4) 2.07); the drafter would need τ ≥ 2.29 to break even; "
-                    "τ at K=4 in the warm-up: 1.32")
+    assert line == (
+        "speculative: no K pays on this CPU (Intel Xeon): a round of 4 drafts costs 2.29 target steps "
+        "(4 × c 0.055 + v(4) 2.07); the drafter would need τ ≥ 2.29 to break even; "
+        "τ at K=4 in the warm-up: 1.32"
+    )
 
 
 @pytest.mark.slow
@@ -67,8 +71,12 @@ def test_every_dtype_candidate_keeps_greedy_output_exact_or_tie_gated(dtype, smo
         reference = generate(target, ids, 24, stop).tokens
         for name, method in (("speculative", drafter), ("pld", PromptLookupDrafter(target_model.config.vocab_size))):
             output = generate(target, ids, 24, stop, drafter=method, k=4).tokens
-            gate.check({"lang": "de-en", "id": i, "method": name}, reference, output,
-                       lambda position: top2_gap(target_model, ids, reference[:position]))
+            gate.check(
+                {"lang": "de-en", "id": i, "method": name},
+                reference,
+                output,
+                lambda position: top2_gap(target_model, ids, reference[:position]),
+            )
     assert gate.mismatches == [] and gate.outputs_checked == 4
     if dtype == "float32":
         assert gate.exact == 4 and gate.tolerance == 0

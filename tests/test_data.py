@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pipeline.data.sharegpt import iter_conversations
 from pipeline.config import compose_config
+from pipeline.data.sharegpt import iter_conversations
 from pipeline.data.sources import Example, _file_examples, split_by_id, text_id
 from pipeline.training.data import prompt_fraction
 
@@ -27,8 +27,16 @@ def test_sharegpt_streams_to_its_truncated_tail():
 
 def conversations(n: int) -> list[dict]:
     # Values with the JSON array's own punctuation in them, of lengths that straddle the chunks unevenly.
-    return [{"id": f"c{i}", "conversations": [{"from": "human", "value": f'"{i}", }}, ] [{{' * (i % 4 + 1)},
-                                              {"from": "gpt", "value": "ok\n" * i}]} for i in range(n)]
+    return [
+        {
+            "id": f"c{i}",
+            "conversations": [
+                {"from": "human", "value": f'"{i}", }}, ] [{{' * (i % 4 + 1)},
+                {"from": "gpt", "value": "ok\n" * i},
+            ],
+        }
+        for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
@@ -70,8 +78,11 @@ def test_file_sources_jsonl_and_tsv(tmp_path):
     tsv = tmp_path / "pairs.tsv"
     tsv.write_text("Bonjour tout le monde\tHello everyone\n\n")
     hub = compose_config(["recipe=ci"]).lang.hub  # no columns configured: src<TAB>ref
-    assert list(_file_examples(jsonl, hub)) == [Example(text_id("Guten Morgen, wie geht es dir?"),
-                                                        "Guten Morgen, wie geht es dir?", "Good morning, how are you?")]
+    assert list(_file_examples(jsonl, hub)) == [
+        Example(
+            text_id("Guten Morgen, wie geht es dir?"), "Guten Morgen, wie geht es dir?", "Good morning, how are you?"
+        )
+    ]
     assert next(_file_examples(tsv, hub)).ref == "Hello everyone"
 
 

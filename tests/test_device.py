@@ -46,9 +46,13 @@ def default_device_meta():
 def drafters(target_model):
     vocab_map = VocabMap(torch.tensor(list(range(0, VOCAB, 2))), VOCAB)
     lookup = PromptLookupDrafter(VOCAB)
-    return {"model": ModelDrafter(llama(1)), "reduced_vocab": ModelDrafter(reduced_copy(target_model, vocab_map), vocab_map),
-            "confidence_cut": ModelDrafter(llama(1), min_confidence=0.02), "lookup": lookup,
-            "lookup_then_model": LookupThenModelDrafter(lookup, ModelDrafter(llama(1)))}
+    return {
+        "model": ModelDrafter(llama(1)),
+        "reduced_vocab": ModelDrafter(reduced_copy(target_model, vocab_map), vocab_map),
+        "confidence_cut": ModelDrafter(llama(1), min_confidence=0.02),
+        "lookup": lookup,
+        "lookup_then_model": LookupThenModelDrafter(lookup, ModelDrafter(llama(1))),
+    }
 
 
 @pytest.mark.parametrize("make", [llama, gemma])
@@ -64,8 +68,16 @@ def test_decoding_makes_every_tensor_on_the_models_device(make, temperature):
         out = generate(target, PROMPT, 12, NO_STOP, Sampling(temperature), generator=generator)
         assert out.tokens == reference.tokens
         for name, drafter in candidates.items():
-            out = generate(target, PROMPT, 12, NO_STOP, Sampling(temperature), drafter=drafter, k=3,
-                           generator=torch.Generator(device="cpu").manual_seed(0))
+            out = generate(
+                target,
+                PROMPT,
+                12,
+                NO_STOP,
+                Sampling(temperature),
+                drafter=drafter,
+                k=3,
+                generator=torch.Generator(device="cpu").manual_seed(0),
+            )
             assert len(out.tokens) == 12 and sum(out.drafted) > 0, name
         costs = step_costs(target, candidates["reduced_vocab"].lm, PROMPT, [1, 3], repetitions=2)
         assert costs["c"] > 0 and set(costs["v"]) == {1, 3}
@@ -78,8 +90,12 @@ def test_sampler_makes_every_tensor_on_the_inputs_device():
     drafts = torch.randint(0, VOCAB, (2, 3), generator=g)
     with default_device_meta():
         sampling = Sampling(1.0, top_k=20, top_p=0.9)
-        num_accepted, token = verify(drafts, probabilities(draft_logits, sampling), probabilities(target_logits, sampling),
-                                     torch.Generator(device="cpu").manual_seed(0))
+        num_accepted, token = verify(
+            drafts,
+            probabilities(draft_logits, sampling),
+            probabilities(target_logits, sampling),
+            torch.Generator(device="cpu").manual_seed(0),
+        )
         assert num_accepted.device.type == token.device.type == "cpu"
         num_accepted, token = verify_greedy(drafts, target_logits)
         assert token.device.type == "cpu"
@@ -113,7 +129,9 @@ def test_device_setting_is_resolved_and_checked(monkeypatch):
     assert resolve_device("cpu") == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu")
-    with pytest.raises(ConfigError, match=r"eval.device=cuda:1 but torch sees no CUDA device.*use eval.device=auto or cpu"):
+    with pytest.raises(
+        ConfigError, match=r"eval.device=cuda:1 but torch sees no CUDA device.*use eval.device=auto or cpu"
+    ):
         resolve_device("cuda:1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -134,15 +152,21 @@ def test_a_slurm_job_whose_torch_cannot_see_its_gpus_is_refused_in_one_line(monk
     assert devices.slurm_gpus({"SLURM_GPUS_ON_NODE": "8"}) == 0  # a leftover variable outside a job
 
     monkeypatch.setattr(torch.version, "cuda", None)  # this venv's CPU build, as make install picks on a login node
-    with pytest.raises(ConfigError, match=r"^Slurm gave this job 8 GPU\(s\) but the venv's torch .* is a CPU build .*"
-                                          r"make install EXTRAS=gpu,dev$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^Slurm gave this job 8 GPU\(s\) but the venv's torch .* is a CPU build .*"
+        r"make install EXTRAS=gpu,dev$",
+    ):
         devices.check_slurm_gpus(job | {"SLURM_GPUS_ON_NODE": "8", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"})
     devices.check_slurm_gpus(job | {"SLURM_GPUS_ON_NODE": "8", "CUDA_VISIBLE_DEVICES": ""})  # hidden on purpose
 
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # a driver too old for the build
-    with pytest.raises(ConfigError, match=r"^Slurm gave this job 2 GPU\(s\) \(CUDA_VISIBLE_DEVICES=0,1\) but torch .* "
-                                          r"sees 0: .*CUDA 12.8.*make install EXTRAS=gpu,dev$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^Slurm gave this job 2 GPU\(s\) \(CUDA_VISIBLE_DEVICES=0,1\) but torch .* "
+        r"sees 0: .*CUDA 12.8.*make install EXTRAS=gpu,dev$",
+    ):
         devices.check_slurm_gpus(job | {"SLURM_JOB_GPUS": "0,1", "CUDA_VISIBLE_DEVICES": "0,1"})
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     devices.check_slurm_gpus(job | {"SLURM_GPUS_ON_NODE": "8", "CUDA_VISIBLE_DEVICES": "3"})  # one per eval worker

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+
 import pytest
 
 from pipeline.config import REPO_ROOT
@@ -41,8 +42,13 @@ def must_fail(write):  # raising what the OS said (safetensors wraps it in an er
 
 def child(code: str, *args: str) -> str:
     """Runs ``code`` after PRELUDE in a fresh interpreter; its stdout."""
-    done = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code), *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(code), *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -51,11 +57,15 @@ def test_write_atomic_past_the_limit_keeps_the_old_file_and_leaves_no_temporary(
     target = tmp_path / "manifest.json"
     target.write_text('{"status": "running"}\n')
     new = json.dumps({"status": "complete", "counts": "x" * 10_000}) + "\n"
-    out = child("""
+    out = child(
+        """
         from pipeline.durable import write_atomic
         limit_file_size(4096)
         must_fail(lambda: write_atomic(Path(sys.argv[1]), sys.argv[2]))
-    """, str(target), new)
+    """,
+        str(target),
+        new,
+    )
     assert out.startswith("refused:")
     assert target.read_text() == '{"status": "running"}\n'
     assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]  # no temporary left to fill the disk
@@ -70,7 +80,8 @@ def test_an_append_past_the_limit_fails_and_leaves_every_earlier_line_whole(tmp_
     once there is room; a rerun appends after every earlier line."""
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps({"id": f"e{i}"}) + "\n" for i in range(3)))
-    out = child(f"""
+    out = child(
+        f"""
         from pipeline.jsonl import {writer}
         path = Path(sys.argv[1])
         out = {writer}(path)
@@ -84,17 +95,22 @@ def test_an_append_past_the_limit_fails_and_leaves_every_earlier_line_whole(tmp_
         if "{writer}" == "AppendOnlyJsonl":
             out.append({{"id": "e3"}})
             out.close()
-    """, str(path))
+    """,
+        str(path),
+    )
     assert "refused:" in out
     assert out.split("after the failure: ")[1].strip().endswith("\\n'")  # no torn line, even before any reader
     expected = ["e0", "e1", "e2"] + (["e3"] if writer == "AppendOnlyJsonl" else [])
     assert [row["id"] for row in read_jsonl(path)] == expected
-    child(f"""
+    child(
+        f"""
         from pipeline.jsonl import {writer}
         out = {writer}(Path(sys.argv[1]))
         out.append({{"id": "rerun"}})
         out.close()
-    """, str(path))
+    """,
+        str(path),
+    )
     assert [row["id"] for row in read_jsonl(path)] == [*expected, "rerun"]
     assert path.read_bytes().count(b"\n") == len(expected) + 1  # every line whole, nothing glued to another
 
@@ -103,17 +119,23 @@ def test_metrics_log_past_the_limit_fails_and_a_rerun_logs_the_step_again(tmp_pa
     from pipeline.training.launch import METRICS, read_metrics
 
     (tmp_path / METRICS).write_text('{"step": 1, "loss": 2.0}\n')
-    child("""
+    child(
+        """
         from pipeline.training.launch import METRICS, MetricsLog
         log = MetricsLog(Path(sys.argv[1]) / METRICS)
         limit_file_size(30)
         must_fail(lambda: log({"loss": 1.5, "lr": 0.001, "tokens": 123456}, step=2))
-    """, str(tmp_path))
+    """,
+        str(tmp_path),
+    )
     assert read_metrics(tmp_path) == {1: {"step": 1, "loss": 2.0}}
-    child("""
+    child(
+        """
         from pipeline.training.launch import METRICS, MetricsLog
         MetricsLog(Path(sys.argv[1]) / METRICS)({"loss": 1.5}, step=2)
-    """, str(tmp_path))
+    """,
+        str(tmp_path),
+    )
     assert read_metrics(tmp_path) == {1: {"step": 1, "loss": 2.0}, 2: {"step": 2, "loss": 1.5}}
 
 
@@ -139,21 +161,31 @@ def test_a_checkpoint_save_past_the_limit_keeps_the_previous_checkpoint_whole(tm
     child(SAVE + "save()", str(tmp_path), "1")
     first = latest_checkpoint(tmp_path)
     before = {p.relative_to(first): p.read_bytes() for p in first.rglob("*") if p.is_file()}
-    refused = child(SAVE + textwrap.dedent("""
+    refused = child(
+        SAVE
+        + textwrap.dedent("""
         limit_file_size(16 * 1024)
         must_fail(save)
-    """), str(tmp_path), "2")
+    """),
+        str(tmp_path),
+        "2",
+    )
     # one line: what found no room, the fix, and the checkpoint the run resumes from
     assert refused.startswith("refused: no room to write (") and refused.count("\n") == 1
     assert refused.rstrip().endswith("checkpoint step-00000002 was not written, and the run resumes from step-00000001")
     assert latest_checkpoint(tmp_path) == first
     assert {p.relative_to(first): p.read_bytes() for p in first.rglob("*") if p.is_file()} == before
     assert not (tmp_path / CHECKPOINTS / "step-00000002" / STEP_FILE).exists()
-    out = child(SAVE + textwrap.dedent("""
+    out = child(
+        SAVE
+        + textwrap.dedent("""
         accelerator.load_state(str(latest_checkpoint(out_dir)))  # what resume does
         print(json.loads((latest_checkpoint(out_dir) / "step.json").read_text())["step"])
         save()
-    """), str(tmp_path), "2")
+    """),
+        str(tmp_path),
+        "2",
+    )
     assert out.strip() == "1"
     assert [p.name for p in (tmp_path / CHECKPOINTS).iterdir()] == ["step-00000002"]
     assert json.loads((latest_checkpoint(tmp_path) / STEP_FILE).read_text())["step"] == 2
@@ -164,13 +196,29 @@ def test_a_stage_that_finds_no_room_ends_in_one_line_naming_the_fix(tmp_path):
     """The stage's own first writes (its directory's manifest) past a file size limit: exit 2, one line, no
     traceback; with room again the same command begins the stage."""
     args = ["recipe=ci", f"paths.runs_dir={tmp_path}", f"paths.cache_dir={tmp_path / 'cache'}", "logger=none"]
-    limited = subprocess.run([sys.executable, "-c", PRELUDE + "limit_file_size(64)\nfrom pipeline.cli import main\n"
-                              "sys.exit(main(sys.argv[1:]))", "pretrain", *args, "train.pretrain.max_steps=1"],
-                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    limited = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            PRELUDE + "limit_file_size(64)\nfrom pipeline.cli import main\nsys.exit(main(sys.argv[1:]))",
+            "pretrain",
+            *args,
+            "train.pretrain.max_steps=1",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert limited.returncode == 2, limited.stderr[-3000:]
     line = limited.stderr.strip()
     assert "\n" not in line and line.startswith("error: no room to write ([Errno 27] File too large")
     assert "free space (or raise the quota) and run the same command again" in line
-    again = subprocess.run([sys.executable, "-m", "pipeline", "pretrain", *args, "train.pretrain.max_steps=1"],
-                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(
+        [sys.executable, "-m", "pipeline", "pretrain", *args, "train.pretrain.max_steps=1"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert again.returncode == 0, again.stderr[-3000:]

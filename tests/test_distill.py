@@ -21,24 +21,40 @@ import pytest
 from pipeline.cli import main
 from pipeline.config import REPO_ROOT, compose_config
 from pipeline.data.sources import load_sources
+from pipeline.jsonl import AppendOnlyJsonl, BackgroundJsonl, read_jsonl
 from pipeline.models.provision import load_tokenizer
 from pipeline.prompts import build_prompt
-from pipeline.rundir import stage_dir
+from pipeline.rundir import StageInputError, stage_dir
 from pipeline.serving.server import INFO_FILE, ServingError
-from pipeline.jsonl import AppendOnlyJsonl, BackgroundJsonl, read_jsonl
-from pipeline.rundir import StageInputError
 from pipeline.stages.distill import load_records, request_seed, shard_of
 
 CACHE = REPO_ROOT / "runs" / "cache"
-FIELDS = {"id", "temperature", "sample", "prompt", "response", "finish_reason", "stop_reason", "prompt_tokens",
-          "completion_tokens", "seed", "model", "revision"}
+FIELDS = {
+    "id",
+    "temperature",
+    "sample",
+    "prompt",
+    "response",
+    "finish_reason",
+    "stop_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "seed",
+    "model",
+    "revision",
+}
 FOUR = "distill.temperatures=[0.0,0.3,0.7,1.0]"
 SHORT = "distill.max_tokens=16"  # the answers only need to exist: keeps the CPU time small
 
 
 def overrides(runs_dir: Path, *extra: str) -> list[str]:
-    return ["recipe=ci", f"paths.runs_dir={runs_dir}", f"paths.cache_dir={CACHE}",
-            f"paths.models_dir={REPO_ROOT / 'models'}", *extra]
+    return [
+        "recipe=ci",
+        f"paths.runs_dir={runs_dir}",
+        f"paths.cache_dir={CACHE}",
+        f"paths.models_dir={REPO_ROOT / 'models'}",
+        *extra,
+    ]
 
 
 def stage_path(args: list[str]) -> Path:
@@ -48,13 +64,21 @@ def stage_path(args: list[str]) -> Path:
 def expected_keys(args: list[str]) -> set:
     cfg = compose_config(args)
     train, _ = load_sources(cfg)
-    return {(ex.id, float(t), s) for ex in train for t in cfg.distill.temperatures
-            for s in range(cfg.distill.samples_per_prompt)}
+    return {
+        (ex.id, float(t), s)
+        for ex in train
+        for t in cfg.distill.temperatures
+        for s in range(cfg.distill.samples_per_prompt)
+    }
 
 
 def all_records(path: Path) -> list[dict]:
-    return [json.loads(line) for shard in sorted((path / "records").glob("*.jsonl"))
-            for line in shard.read_text().split("\n") if line]
+    return [
+        json.loads(line)
+        for shard in sorted((path / "records").glob("*.jsonl"))
+        for line in shard.read_text().split("\n")
+        if line
+    ]
 
 
 def count_lines(path: Path) -> int:
@@ -62,8 +86,14 @@ def count_lines(path: Path) -> int:
 
 
 def cli(args: list[str], env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pipeline", "distill", *args], cwd=REPO_ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline", "distill", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for_records(path: Path, more_than: int, process: subprocess.Popen, timeout_s: float = 300) -> None:
@@ -101,6 +131,7 @@ def wait_for_vllm_worker(path: Path, process: subprocess.Popen, timeout_s: float
 
 
 # ---- fast: the resume bookkeeping on its own ----
+
 
 def test_torn_last_line_is_cut_and_only_complete_records_count(tmp_path):
     records = tmp_path / "records"
@@ -158,8 +189,9 @@ def test_finetune_reads_every_shard_and_names_the_missing_ones_in_one_line(runs_
     args = ["recipe=ci", f"paths.runs_dir={runs_dir}", "distill.num_shards=3", "train.finetune.mode=finetune_only"]
     shard_dirs = [stage_dir(compose_config([*args, f"distill.shard={k}"]), "distill") for k in range(3)]
     assert len({d.path for d in shard_dirs}) == 3 and len({d.config_hash for d in shard_dirs}) == 3
-    assert stage_dir(compose_config(["recipe=ci", f"paths.runs_dir={runs_dir}"]), "distill").path not in \
-        {d.path for d in shard_dirs}
+    assert stage_dir(compose_config(["recipe=ci", f"paths.runs_dir={runs_dir}"]), "distill").path not in {
+        d.path for d in shard_dirs
+    }
     for k in (0, 2):  # shard 1 never ran
         cfg = compose_config([*args, f"distill.shard={k}"])
         shard_dirs[k].begin(cfg)
@@ -168,8 +200,10 @@ def test_finetune_reads_every_shard_and_names_the_missing_ones_in_one_line(runs_
         stage_dir(compose_config(args), "finetune")
     message = str(error.value)
     assert "\n" not in message and "shard(s) 1 is not complete" in message
-    assert (f"make distill LANG=de-en RECIPE=ci ARGS='paths.runs_dir={runs_dir} distill.num_shards=3 "
-            "train.finetune.mode=finetune_only distill.shard=K'` for K in 1") in message
+    assert (
+        f"make distill LANG=de-en RECIPE=ci ARGS='paths.runs_dir={runs_dir} distill.num_shards=3 "
+        "train.finetune.mode=finetune_only distill.shard=K'` for K in 1"
+    ) in message
 
     cfg = compose_config([*args, "distill.shard=1"])
     shard_dirs[1].begin(cfg)
@@ -177,7 +211,10 @@ def test_finetune_reads_every_shard_and_names_the_missing_ones_in_one_line(runs_
     distill = stage_dir(compose_config(args), "finetune").inputs["distill"]
     assert [part.path for part in distill.parts] == [d.path for d in shard_dirs]
     # the set's hash (the finetune's upstream) is the same whichever shard the finetune's config names
-    assert distill.config_hash == stage_dir(compose_config([*args, "distill.shard=2"]), "finetune").inputs["distill"].config_hash
+    assert (
+        distill.config_hash
+        == stage_dir(compose_config([*args, "distill.shard=2"]), "finetune").inputs["distill"].config_hash
+    )
     unsharded = compose_config(["recipe=ci", f"paths.runs_dir={runs_dir}", "train.finetune.mode=finetune_only"])
     with pytest.raises(StageInputError, match=r"pass distill.num_shards=N to read a sharded one: de-en.shards-3"):
         stage_dir(unsharded, "finetune")
@@ -203,13 +240,20 @@ def test_request_seeds_are_stable_and_distinct():
 
 # ---- slow: a real vLLM server ----
 
+
 @pytest.mark.slow
 def test_records_for_every_temperature_and_reruns_reproduce(vllm_server, tmp_path, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", vllm_server.endpoint.api_key)
     runs = {}
     for name in ("first", "second"):
-        args = overrides(tmp_path / name, f"distill.server.url={vllm_server.endpoint.url}", FOUR, SHORT,
-                         "data.max_train_prompts=6", "distill.top_logprobs=2")
+        args = overrides(
+            tmp_path / name,
+            f"distill.server.url={vllm_server.endpoint.url}",
+            FOUR,
+            SHORT,
+            "data.max_train_prompts=6",
+            "distill.top_logprobs=2",
+        )
         assert main(["distill", *args]) == 0
         path = stage_path(args)
         assert (path / "COMPLETE").exists()
@@ -242,8 +286,14 @@ def test_records_for_every_temperature_and_reruns_reproduce(vllm_server, tmp_pat
 @pytest.mark.slow
 def test_shards_answer_disjoint_slices_that_finetune_reads_as_the_whole_set(vllm_server, tmp_path, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", vllm_server.endpoint.api_key)
-    args = overrides(tmp_path, f"distill.server.url={vllm_server.endpoint.url}", SHORT, "data.max_train_prompts=6",
-                     "distill.temperatures=[0.0]", "train.finetune.mode=finetune_only")
+    args = overrides(
+        tmp_path,
+        f"distill.server.url={vllm_server.endpoint.url}",
+        SHORT,
+        "data.max_train_prompts=6",
+        "distill.temperatures=[0.0]",
+        "train.finetune.mode=finetune_only",
+    )
     slices = []
     for shard in (0, 1):
         shard_args = [*args, "distill.num_shards=2", f"distill.shard={shard}"]
@@ -254,13 +304,16 @@ def test_shards_answer_disjoint_slices_that_finetune_reads_as_the_whole_set(vllm
         assert json.loads((path / "stats.json").read_text())["shard"]["prompts"] == len(slices[-1])
     assert slices[0] and slices[1] and not slices[0] & slices[1] and slices[0] | slices[1] == expected_keys(args)
     distill = stage_dir(compose_config([*args, "distill.num_shards=2"]), "finetune").inputs["distill"]
-    assert {(r["id"], r["temperature"], r["sample"]) for part in distill.parts
-            for r in all_records(part.path)} == expected_keys(args)
+    assert {
+        (r["id"], r["temperature"], r["sample"]) for part in distill.parts for r in all_records(part.path)
+    } == expected_keys(args)
 
 
 @pytest.mark.slow
 def test_kill_9_at_random_points_then_rerun_gives_the_exact_record_set(vllm_server, tmp_path):
-    args = overrides(tmp_path, f"distill.server.url={vllm_server.endpoint.url}", FOUR, SHORT, "data.max_train_prompts=12")
+    args = overrides(
+        tmp_path, f"distill.server.url={vllm_server.endpoint.url}", FOUR, SHORT, "data.max_train_prompts=12"
+    )
     env = dict(os.environ, OPENAI_API_KEY=vllm_server.endpoint.api_key)
     path = stage_path(args)
     seed = random.randrange(10**6)
@@ -288,8 +341,15 @@ def test_two_replicas_kill_9_mid_run_then_the_rerun_asks_exactly_the_missing_rec
     (--data-parallel-size 2 runs on the CPU build: two engine cores behind one endpoint), the stage killed with
     SIGKILL after some records: no torn line reads back, the rerun sends exactly one request per missing record
     (its stats and its server's access log agree) and the final set is every key once."""
-    args = overrides(tmp_path, FOUR, SHORT, "data.max_train_prompts=8", "distill.server.data_parallel=2",
-                     "distill.concurrency_per_replica=4", "distill.server.cpu_kvcache_gb=1")
+    args = overrides(
+        tmp_path,
+        FOUR,
+        SHORT,
+        "data.max_train_prompts=8",
+        "distill.server.data_parallel=2",
+        "distill.concurrency_per_replica=4",
+        "distill.server.cpu_kvcache_gb=1",
+    )
     path, expected = stage_path(args), expected_keys(args)
     process = cli(args)
     group = wait_for_vllm_worker(path, process)
@@ -311,10 +371,17 @@ def test_two_replicas_kill_9_mid_run_then_the_rerun_asks_exactly_the_missing_rec
     rerun = cli(args)
     assert rerun.wait(timeout=600) == 0, rerun.stderr.read()
     stats = json.loads((path / "stats.json").read_text())
-    asked = (path / "server" / "vllm.log").read_text().rsplit("starting vLLM on port", 1)[1].count("POST /v1/completions")
+    asked = (
+        (path / "server" / "vllm.log").read_text().rsplit("starting vLLM on port", 1)[1].count("POST /v1/completions")
+    )
     assert stats["requests"] == stats["new_records"] == asked == len(expected) - len(done)
-    assert stats["server"] == {"url": None, "dtype": "bfloat16", "data_parallel": 2, "tensor_parallel": 1,
-                               "requests_in_flight": 8}
+    assert stats["server"] == {
+        "url": None,
+        "dtype": "bfloat16",
+        "data_parallel": 2,
+        "tensor_parallel": 1,
+        "requests_in_flight": 8,
+    }
     keys = [(r["id"], r["temperature"], r["sample"]) for r in all_records(path)]
     assert len(keys) == len(set(keys)) and set(keys) == expected
     manifest = json.loads((path / "manifest.json").read_text())
@@ -328,8 +395,10 @@ def test_two_distills_on_one_node_each_ask_only_their_own_server(tmp_path):
     requests, and both stages complete with every record."""
     import re
 
-    runs = [overrides(tmp_path / job, SHORT, "data.max_train_prompts=4", "distill.server.cpu_kvcache_gb=1")
-            for job in ("job-1", "job-2")]
+    runs = [
+        overrides(tmp_path / job, SHORT, "data.max_train_prompts=4", "distill.server.cpu_kvcache_gb=1")
+        for job in ("job-1", "job-2")
+    ]
     processes = [cli(args) for args in runs]
     for process in processes:
         assert process.wait(timeout=900) == 0, process.stderr.read()
@@ -368,8 +437,10 @@ def test_server_killed_mid_run_reports_and_a_rerun_completes(vllm_server, tmp_pa
     assert not (path / "COMPLETE").exists() and not live_members(info["pgid"])
     assert any(json.loads(line)["cause"] == "connection" for line in (path / "failures.jsonl").read_text().splitlines())
 
-    process = cli([*args, f"distill.server.url={vllm_server.endpoint.url}"],
-                  dict(os.environ, OPENAI_API_KEY=vllm_server.endpoint.api_key))
+    process = cli(
+        [*args, f"distill.server.url={vllm_server.endpoint.url}"],
+        dict(os.environ, OPENAI_API_KEY=vllm_server.endpoint.api_key),
+    )
     assert process.wait(timeout=600) == 0, process.stderr.read()
     keys = [(r["id"], r["temperature"], r["sample"]) for r in all_records(path)]
     assert len(keys) == len(set(keys)) and set(keys) == expected_keys(args)
@@ -400,8 +471,13 @@ def test_a_distill_whose_requests_the_server_rejects_is_not_complete(vllm_server
     """Requests that fail permanently (HTTP 400: answers longer than the server's context) are not retried by
     the client; a distill missing more than distill.max_failed_share of its records must not be COMPLETE."""
     monkeypatch.setenv("OPENAI_API_KEY", vllm_server.endpoint.api_key)
-    args = overrides(tmp_path, f"distill.server.url={vllm_server.endpoint.url}", "data.max_train_prompts=4",
-                     "distill.temperatures=[0.0]", "distill.max_tokens=100000")
+    args = overrides(
+        tmp_path,
+        f"distill.server.url={vllm_server.endpoint.url}",
+        "data.max_train_prompts=4",
+        "distill.temperatures=[0.0]",
+        "distill.max_tokens=100000",
+    )
     assert main(["distill", *args]) == 2
     assert not (stage_path(args) / "COMPLETE").exists()
     error = capsys.readouterr().err.strip().splitlines()[-1]

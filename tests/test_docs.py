@@ -74,9 +74,20 @@ def links(path: Path) -> list[str]:
 
 def test_the_docs_exist():
     names = {p.relative_to(REPO_ROOT).as_posix() for p in DOCS}
-    assert {"README.md", "docs/README.md", "docs/configuration.md", "docs/custom-target-and-pair.md",
-            "docs/stages.md", "docs/metrics.md", "docs/design.md", "docs/slurm.md", "docs/benchmarks.md",
-            "docs/troubleshooting.md", "docs/results/README.md", "docs/glossary.md"} <= names
+    assert {
+        "README.md",
+        "docs/README.md",
+        "docs/configuration.md",
+        "docs/custom-target-and-pair.md",
+        "docs/stages.md",
+        "docs/metrics.md",
+        "docs/design.md",
+        "docs/slurm.md",
+        "docs/benchmarks.md",
+        "docs/troubleshooting.md",
+        "docs/results/README.md",
+        "docs/glossary.md",
+    } <= names
 
 
 def test_readme_stays_short():
@@ -95,10 +106,16 @@ def test_every_readme_figure_is_on_a_result_page_its_section_cites():
         pages = sorted(set(re.findall(r"\((docs/results/[^)#\s]+\.md)", section)))
         if pages:
             on_pages = FIGURE.findall(" ".join((REPO_ROOT / page).read_text() for page in pages))
-            quoted = {f"{float(figure):.{places}f}" for figure in on_pages
-                      for places in range(1, len(figure.partition(".")[2]) + 1)}
-            stale += [f"{section.splitlines()[0]}: {figure} is on none of {', '.join(pages)}"
-                      for figure in FIGURE.findall(section) if figure not in quoted]
+            quoted = {
+                f"{float(figure):.{places}f}"
+                for figure in on_pages
+                for places in range(1, len(figure.partition(".")[2]) + 1)
+            }
+            stale += [
+                f"{section.splitlines()[0]}: {figure} is on none of {', '.join(pages)}"
+                for figure in FIGURE.findall(section)
+                if figure not in quoted
+            ]
     assert not stale, "; ".join(stale)
 
 
@@ -133,7 +150,9 @@ def test_named_make_targets_benches_recipes_and_pairs_exist():
     targets = set(re.findall(r"^([a-z][a-z-]*):", makefile, re.MULTILINE))
     benches = {p.stem for p in (REPO_ROOT / "pipeline" / "bench").glob("*.py") if not p.stem.startswith("_")}
     # `make a b c VAR=...`: every word after `make` up to a variable, an option or a comment is a target
-    named = {word for command in mentioned(r"(?:^|[\s;(])make((?: [a-z][a-z-]*)+)(?![\w=-])") for word in command.split()}
+    named = {
+        word for command in mentioned(r"(?:^|[\s;(])make((?: [a-z][a-z-]*)+)(?![\w=-])") for word in command.split()
+    }
     assert named and named - targets == set(), "make targets the docs name but the Makefile lacks"
     assert mentioned(r"BENCH=([a-z_]+)") - benches == set()
     user_examples = {"myrecipe"}  # docs/custom-target-and-pair.md's recipe in a user config directory
@@ -146,15 +165,21 @@ def test_configuration_reference_is_generated(monkeypatch):
     monkeypatch.delenv("SPECDRAFT_CONFIG_DIR", raising=False)  # the shipped configs only
     committed = (REPO_ROOT / "docs" / "configuration.md").read_text()
     assert committed == config_reference.markdown(), (
-        "docs/configuration.md is stale: python -m pipeline.config_reference > docs/configuration.md")
+        "docs/configuration.md is stale: python -m pipeline.config_reference > docs/configuration.md"
+    )
 
 
 def test_configuration_reference_covers_every_section():
     keys = [doc.key for doc in config_reference.documented_keys()]
     assert len(keys) == len(set(keys))
     assert {config_reference.section_of(k) for k in keys} == {*config_reference.SECTIONS, ""}
-    assert {"train.finetune.on_policy.lr", "distill.server.data_parallel", "data.pretrain_corpora[].weight",
-            "export.num_prompts", "run"} <= set(keys)
+    assert {
+        "train.finetune.on_policy.lr",
+        "distill.server.data_parallel",
+        "data.pretrain_corpora[].weight",
+        "export.num_prompts",
+        "run",
+    } <= set(keys)
     doc = {d.key: d for d in config_reference.documented_keys()}["eval.tie_tolerance"]
     assert (doc.type, doc.default) == ("float", "0.5") and doc.help.startswith("Greedy gate in bf16/fp16")
 
@@ -177,5 +202,12 @@ def test_every_key_has_help_text():
 
 def test_every_enum_value_is_explained():
     """A comment on every value of the schemas' enums: the reference says what each value means."""
-    assert sorted(f"{e.__name__}.{m.name}" for e in config_reference._enums(config.Config) for m in e
-                  if not config_reference._comments(e).get(m.name)) == []
+    assert (
+        sorted(
+            f"{e.__name__}.{m.name}"
+            for e in config_reference._enums(config.Config)
+            for m in e
+            if not config_reference._comments(e).get(m.name)
+        )
+        == []
+    )

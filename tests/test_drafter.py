@@ -44,7 +44,12 @@ def test_gemma_drafter_has_table_4_architecture(tmp_path):
         model = init_drafter(compose_config(["drafter=gemma-250m"]).drafter, str(tmp_path), None, seed=0)
     c = model.config
     assert (c.model_type, c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads) == (
-        "gemma", 768, 6144, 16, 2)
+        "gemma",
+        768,
+        6144,
+        16,
+        2,
+    )
     assert (c.num_hidden_layers, c.hidden_activation, c.rms_norm_eps) == (2, "gelu_pytorch_tanh", 1e-6)
 
 
@@ -53,13 +58,26 @@ def test_embeddings_from_target_keep_the_targets_token_geometry(tmp_path):
     directions and scaled to the initializer's std; token similarities survive the narrower width, at
     init and for the rows a finetune re-points at new ids."""
     torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=96, intermediate_size=64, num_hidden_layers=1,
-                                          num_attention_heads=2, bos_token_id=1, eos_token_id=2))
+    target = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=300,
+            hidden_size=96,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    )
     with torch.no_grad():  # low-rank structure plus noise, as trained embedding matrices have
-        target.get_input_embeddings().weight.copy_(torch.randn(300, 8) @ torch.randn(8, 96) + 0.01 * torch.randn(300, 96))
+        target.get_input_embeddings().weight.copy_(
+            torch.randn(300, 8) @ torch.randn(8, 96) + 0.01 * torch.randn(300, 96)
+        )
     target.save_pretrained(tmp_path)
     centered = target.get_input_embeddings().weight.detach() - target.get_input_embeddings().weight.detach().mean(0)
-    similarity = lambda rows: torch.nn.functional.normalize(rows, dim=-1) @ torch.nn.functional.normalize(rows, dim=-1).T  # noqa: E731
+
+    def similarity(rows):
+        return torch.nn.functional.normalize(rows, dim=-1) @ torch.nn.functional.normalize(rows, dim=-1).T
 
     vocab = VocabMap(torch.arange(0, 200, 2), 300)
     cfg = compose_config(["drafter=tiny-ci", "drafter.embeddings_from_target=true"])  # hidden 64 < the target's 96
@@ -78,8 +96,12 @@ def test_embeddings_from_target_keep_the_targets_token_geometry(tmp_path):
     torch.testing.assert_close(similarity(rows), similarity(centered[specialized.target_ids]), atol=1e-3, rtol=0)
 
     with pytest.raises(ConfigError, match="hidden_size <= the target's 96"):
-        init_drafter(compose_config(["drafter=tiny-7m", "drafter.embeddings_from_target=true"]).drafter, str(tmp_path),
-                     vocab, seed=0)
+        init_drafter(
+            compose_config(["drafter=tiny-7m", "drafter.embeddings_from_target=true"]).drafter,
+            str(tmp_path),
+            vocab,
+            seed=0,
+        )
 
 
 @pytest.mark.slow

@@ -38,7 +38,12 @@ def test_fsync_tree_syncs_every_file_and_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
     fsync_tree(tmp_path / "step-1")
     assert {os.path.relpath(p, tmp_path) for p in synced} == {
-        "step-1/model.safetensors", "step-1/sub/optimizer.bin", "step-1/sub", "step-1", "."}
+        "step-1/model.safetensors",
+        "step-1/sub/optimizer.bin",
+        "step-1/sub",
+        "step-1",
+        ".",
+    }
 
 
 def test_a_torn_metrics_line_is_cut_before_the_next_append_and_never_read(tmp_path):

@@ -21,9 +21,6 @@ from pipeline.speculative.sampler import Sampling, probabilities
 from tests.helpers import NO_STOP, PROMPT, VOCAB, assert_follows, full_greedy, gemma, llama, reduced_copy
 
 
-
-
-
 @pytest.mark.parametrize("make", [llama, gemma])
 def test_kv_rollback_equals_full_recomputation(make):
     model = make(0)
@@ -51,8 +48,12 @@ def test_greedy_is_token_exact(make):
     reference = full_greedy(target.model, PROMPT, steps)
     plain = generate(target, PROMPT, steps, NO_STOP)
     assert plain.tokens == reference and plain.target_calls == steps
-    drafters = (ModelDrafter(make(1)), PromptLookupDrafter(VOCAB), ModelDrafter(make(1), min_confidence=0.03),
-                LookupThenModelDrafter(PromptLookupDrafter(VOCAB), ModelDrafter(make(1))))
+    drafters = (
+        ModelDrafter(make(1)),
+        PromptLookupDrafter(VOCAB),
+        ModelDrafter(make(1), min_confidence=0.03),
+        LookupThenModelDrafter(PromptLookupDrafter(VOCAB), ModelDrafter(make(1))),
+    )
     for drafter in drafters:
         for k in (1, 3, 5):
             out = generate(target, PROMPT, steps, NO_STOP, drafter=drafter, k=k)
@@ -63,15 +64,25 @@ def test_greedy_is_token_exact(make):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_confidence_cut_drafts_fewer_tokens_when_the_drafter_is_unsure(temperature):
     model = llama(0)
-    reference = generate(CachedModel(model), PROMPT, 30, NO_STOP, Sampling(temperature), generator=torch.Generator().manual_seed(0))
+    reference = generate(
+        CachedModel(model), PROMPT, 30, NO_STOP, Sampling(temperature), generator=torch.Generator().manual_seed(0)
+    )
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([PROMPT[0].tolist() + reference.tokens])).logits[0]
     confidences = torch.softmax(logits, -1).max(-1).values
     cut = float(confidences.median())  # about half the drafts fall below it
     k, outputs = 4, {}
     for min_confidence in (0.0, cut, 1.01):
-        out = generate(CachedModel(model), PROMPT, 30, NO_STOP, Sampling(temperature),
-                       drafter=ModelDrafter(model, min_confidence=min_confidence), k=k, generator=torch.Generator().manual_seed(0))
+        out = generate(
+            CachedModel(model),
+            PROMPT,
+            30,
+            NO_STOP,
+            Sampling(temperature),
+            drafter=ModelDrafter(model, min_confidence=min_confidence),
+            k=k,
+            generator=torch.Generator().manual_seed(0),
+        )
         assert out.accepted == out.drafted  # the target itself drafts: whatever is drafted is accepted
         outputs[min_confidence] = out
     assert set(outputs[0.0].drafted[:-1]) == {k}
@@ -98,8 +109,16 @@ def test_lookup_then_model_drafts_from_the_context_where_it_matches():
 def test_drafter_equal_to_target_accepts_everything(temperature):
     model = llama(0)
     k, rounds = 4, 6
-    out = generate(CachedModel(model), PROMPT, rounds * (k + 1), NO_STOP, Sampling(temperature),
-                   drafter=ModelDrafter(model), k=k, generator=torch.Generator().manual_seed(0))
+    out = generate(
+        CachedModel(model),
+        PROMPT,
+        rounds * (k + 1),
+        NO_STOP,
+        Sampling(temperature),
+        drafter=ModelDrafter(model),
+        k=k,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert sum(out.accepted) / sum(out.drafted) == 1.0  # alpha
     assert len(out.tokens) / out.target_calls == k + 1  # tau
 
@@ -110,11 +129,20 @@ def test_hf_assisted_generation_drafts_exactly_k_per_round():
     target, assistant = llama(0), llama(0)
     own_config = assistant.generation_config
     calls = []
-    target.register_forward_hook(lambda module, args, kwargs, output: calls.append(kwargs["input_ids"].shape[1]),
-                                 with_kwargs=True)
+    target.register_forward_hook(
+        lambda module, args, kwargs, output: calls.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
     k, rounds = 4, 5
-    tokens = hf_generate(target, PROMPT, rounds * (k + 1), StopCondition(None, eos_token_ids=[VOCAB]),
-                         Sampling(0.0), seed=0, assistant=assistant, k=k)
+    tokens = hf_generate(
+        target,
+        PROMPT,
+        rounds * (k + 1),
+        StopCondition(None, eos_token_ids=[VOCAB]),
+        Sampling(0.0),
+        seed=0,
+        assistant=assistant,
+        k=k,
+    )
     assert calls == [PROMPT.shape[1] + k] + [k + 1] * (rounds - 1)
     assert tokens == full_greedy(target, PROMPT, rounds * (k + 1))
     assert assistant.generation_config is own_config  # the assistant is left as it was
@@ -171,8 +199,10 @@ def test_reduced_vocab_drafter_sampling_is_target_distribution(variant):
     prompt = torch.tensor([[1, 2, 3, 2]])  # "2" recurs: lookup drafts "3 2" in the first round
     with torch.inference_mode():
         first = probabilities(target_model(input_ids=prompt).logits[0, -1], sampling)
-        second = probabilities(target_model(input_ids=torch.cat([prompt.repeat(vocab, 1), torch.arange(vocab)[:, None]], 1)).logits[:, -1],
-                               sampling)
+        second = probabilities(
+            target_model(input_ids=torch.cat([prompt.repeat(vocab, 1), torch.arange(vocab)[:, None]], 1)).logits[:, -1],
+            sampling,
+        )
     expected = (first[:, None] * second).flatten().double()
     target = CachedModel(target_model)
     g = torch.Generator().manual_seed(0)
@@ -201,12 +231,21 @@ def test_hf_generation_stops_at_a_stop_inside_an_assisted_round():
     position = next(i for i in range(k + 2, 2 * (k + 1) - 1) if reference[i] not in reference[:i])  # mid round 2
     calls = []
     target.register_forward_hook(lambda *_: calls.append(1))
+
     class NewlineAt:  # decodes the chosen token as a newline, every other as a letter
         def decode(self, ids, skip_special_tokens=True):
             return "".join("\n" if i == reference[position] else "x" for i in ids)
 
-    tokens = hf_generate(target, PROMPT, 20, StopCondition(NewlineAt(), ["\n"], eos_token_ids=[VOCAB]), Sampling(0.0),
-                         seed=0, assistant=assistant, k=k)
+    tokens = hf_generate(
+        target,
+        PROMPT,
+        20,
+        StopCondition(NewlineAt(), ["\n"], eos_token_ids=[VOCAB]),
+        Sampling(0.0),
+        seed=0,
+        assistant=assistant,
+        k=k,
+    )
     assert tokens == reference[: position + 1]
     assert len(calls) == 2
 

@@ -29,9 +29,14 @@ def test_eval_stage_writes_metrics_report_and_passes_greedy_gate(ci_drafter, run
     assert (out / "COMPLETE").exists()
     metrics = json.loads((out / "metrics.json").read_text())
     cfg = compose_config(args[1:])
-    assert metrics["lossless"] == {"greedy_prompts_checked": cfg.eval.num_prompts, "tie_tolerance": 0.0,  # float32
-                                   "outputs_checked": cfg.eval.num_prompts * 4, "exact": cfg.eval.num_prompts * 4,
-                                   "ties": [], "mismatches": []}
+    assert metrics["lossless"] == {
+        "greedy_prompts_checked": cfg.eval.num_prompts,
+        "tie_tolerance": 0.0,  # float32
+        "outputs_checked": cfg.eval.num_prompts * 4,
+        "exact": cfg.eval.num_prompts * 4,
+        "ties": [],
+        "mismatches": [],
+    }
     assert metrics["sessions"][0]["prompts_measured"] == cfg.eval.num_prompts * 2 and len(metrics["sessions"]) == 1
     greedy, sampled = metrics["results"]["de-en"]["T=0.0"], metrics["results"]["de-en"]["T=1.0"]
     spec = greedy["seeds"]["0"]["speculative"]
@@ -65,7 +70,10 @@ def test_eval_stage_writes_metrics_report_and_passes_greedy_gate(ci_drafter, run
     assert len(rows) == cfg.eval.num_prompts * 2  # T=0 and T=1, one seed
     first = rows[0]["methods"]
     assert first["speculative"]["output"] == first["target"]["output"]  # T=0
-    assert sum(first["speculative"]["accept_lengths"]) + len(first["speculative"]["accept_lengths"]) == first["speculative"]["tokens"]
+    assert (
+        sum(first["speculative"]["accept_lengths"]) + len(first["speculative"]["accept_lengths"])
+        == first["speculative"]["tokens"]
+    )
     text = (out / "report.md").read_text()
     assert "| speculative (ours) |" in text and "de-en T=1.0" in text
     assert (out / "speedup.png").stat().st_size > 0 and (out / "acceptance.png").stat().st_size > 0
@@ -89,8 +97,13 @@ def test_eval_sharded_over_two_processes_measures_what_one_process_does(ci_draft
     """Issue 27's acceptance: 2 processes (this one and a worker, on the CPU) decode disjoint prompts with the same
     per-prompt seeds: every count, α, τ and greedy check equals one process's, and samples.jsonl is one file in
     prompt order."""
-    common = ["recipe=ci", f"eval.drafter_path={ci_drafter}", "eval.methods=[target,speculative,hf_assisted]",
-              "eval.k_sweep=[4]", "eval.max_new_tokens=8"]
+    common = [
+        "recipe=ci",
+        f"eval.drafter_path={ci_drafter}",
+        "eval.methods=[target,speculative,hf_assisted]",
+        "eval.k_sweep=[4]",
+        "eval.max_new_tokens=8",
+    ]
     metrics, samples = {}, {}
     for processes in (1, 2):
         runs = tmp_path / f"runs-{processes}"
@@ -103,10 +116,12 @@ def test_eval_sharded_over_two_processes_measures_what_one_process_does(ci_draft
     assert without_timings(two["results"]) == without_timings(one["results"])
     assert two["lossless"] == one["lossless"] and two["k_choice"] == one["k_choice"]
     assert [(r["lang"], r["temperature"], r["id"]) for r in samples[2]] == [
-        (r["lang"], r["temperature"], r["id"]) for r in samples[1]]
+        (r["lang"], r["temperature"], r["id"]) for r in samples[1]
+    ]
     for a, b in zip(samples[1], samples[2]):
         assert {name: m["token_ids"] for name, m in a["methods"].items()} == {
-            name: m["token_ids"] for name, m in b["methods"].items()}
+            name: m["token_ids"] for name, m in b["methods"].items()
+        }
     assert (one["environment"]["processes"], two["environment"]["processes"]) == (1, 2)
     assert two["sessions"][0]["processes"] == 2 and two["sessions"][0]["prompts_measured"] == len(samples[2])
     assert one["drafter_dtype"] == one["target_dtype"] == "float32"
@@ -119,8 +134,8 @@ def test_eval_processes_one_per_gpu_pinned_to_slurms_gpus_and_outside_the_eval_h
     import torch
 
     from pipeline.config import ConfigError
-    from pipeline.rundir import stage_dir
     from pipeline.evaluation.transformers_backend import eval_processes, worker_gpus
+    from pipeline.rundir import stage_dir
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -151,20 +166,38 @@ def test_a_failing_worker_process_ends_the_stage_in_one_line(ci_drafter, runs_di
     from pipeline.evaluation import transformers_backend as backend
 
     start = backend.Workers.__init__
-    monkeypatch.setattr(backend.Workers, "__init__",
-                        lambda self, cfg, drafter_path, *args: start(self, cfg, "/nonexistent/drafter", *args))
+    monkeypatch.setattr(
+        backend.Workers,
+        "__init__",
+        lambda self, cfg, drafter_path, *args: start(self, cfg, "/nonexistent/drafter", *args),
+    )
     capsys.readouterr()
-    assert cli.main(["eval", "recipe=ci", f"paths.runs_dir={runs_dir}", f"eval.drafter_path={ci_drafter}",
-                     "eval.processes=2", "eval.methods=[target,speculative]", "eval.k_sweep=[4]"]) == 2
+    assert (
+        cli.main(
+            [
+                "eval",
+                "recipe=ci",
+                f"paths.runs_dir={runs_dir}",
+                f"eval.drafter_path={ci_drafter}",
+                "eval.processes=2",
+                "eval.methods=[target,speculative]",
+                "eval.k_sweep=[4]",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
-    error = err[err.index("error: "):]
-    assert error == ("error: drafter folder /nonexistent/drafter does not exist; set eval.drafter_path to an HF "
-                     "folder\n")
+    error = err[err.index("error: ") :]
+    assert error == (
+        "error: drafter folder /nonexistent/drafter does not exist; set eval.drafter_path to an HF folder\n"
+    )
     assert not list(runs_dir.glob("**/metrics.json"))
 
 
 @pytest.mark.slow
-def test_drafter_with_another_tokenizer_is_refused_before_compute(gemma_path, smollm_path, runs_dir, tmp_path, monkeypatch, capsys):
+def test_drafter_with_another_tokenizer_is_refused_before_compute(
+    gemma_path, smollm_path, runs_dir, tmp_path, monkeypatch, capsys
+):
     folder = tmp_path / "gemma-tokenizer-drafter"
     cfg = compose_config(["recipe=ci"])
     save_drafter(init_drafter(cfg.drafter, smollm_path, None, seed=0), smollm_path, None, folder)
@@ -194,8 +227,11 @@ def test_matrix_langs_are_checked_and_switch_the_language(ci_cfg):
     assert (other.lang.pair, other.lang.src_name) == ("fr-en", "French") and ci_cfg.lang.pair == "de-en"
     with pytest.raises(ConfigError, match="eval.matrix_langs: unknown xx-en"):
         compose_config(["recipe=ci", "eval.matrix_langs=[fr-en,xx-en]"])
-    with pytest.raises(ConfigError, match=r"eval\.methods\[1\]: Invalid value 'beam', expected one of "
-                                          r"\[target, speculative, pld, hybrid, hf, hf_assisted\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"eval\.methods\[1\]: Invalid value 'beam', expected one of "
+        r"\[target, speculative, pld, hybrid, hf, hf_assisted\]",
+    ):
         compose_config(["recipe=ci", "eval.methods=[target,beam]"])
 
 
@@ -219,8 +255,14 @@ def test_language_router_drafts_each_prompt_with_its_languages_drafter(ci_drafte
     from pipeline.evaluation.heldout import lang_config
     from pipeline.evaluation.transformers_backend import MIXED
 
-    base = ["recipe=ci", f"paths.runs_dir={runs_dir}", "eval.temperatures=[0.0]", "eval.num_prompts=4",
-            "eval.methods=[target,speculative]", "eval.k_sweep=[4]"]
+    base = [
+        "recipe=ci",
+        f"paths.runs_dir={runs_dir}",
+        "eval.temperatures=[0.0]",
+        "eval.num_prompts=4",
+        "eval.methods=[target,speculative]",
+        "eval.k_sweep=[4]",
+    ]
     cfg = compose_config(base)
     finetuned(cfg, lambda folder: shutil.copytree(ci_drafter, folder))
     finetuned(lang_config(cfg, "fr-en"), lambda folder: folder.symlink_to(smollm_path, target_is_directory=True))
@@ -253,10 +295,12 @@ def test_router_langs_are_checked(ci_cfg, runs_dir, capsys):
 
 
 @pytest.mark.slow
-def test_greedy_mismatch_fails_the_stage_in_one_line_after_writing_its_outputs(ci_drafter, runs_dir, monkeypatch, capsys):
+def test_greedy_mismatch_fails_the_stage_in_one_line_after_writing_its_outputs(
+    ci_drafter, runs_dir, monkeypatch, capsys
+):
     """Fault injection: a speculative decode that emits one wrong token must fail the lossless gate."""
-    from pipeline.speculative.engine import ModelDrafter
     from pipeline.evaluation import transformers_backend as backend
+    from pipeline.speculative.engine import ModelDrafter
 
     def corrupted(target, ids, max_new_tokens, stop, sampling, drafter=None, **kwargs):
         out = generate(target, ids, max_new_tokens, stop, sampling, drafter=drafter, **kwargs)
@@ -266,12 +310,20 @@ def test_greedy_mismatch_fails_the_stage_in_one_line_after_writing_its_outputs(c
 
     generate = backend.generate
     monkeypatch.setattr(backend, "generate", corrupted)
-    args = ["eval", "recipe=ci", f"paths.runs_dir={runs_dir}", f"eval.drafter_path={ci_drafter}",
-            "eval.temperatures=[0.0]", "eval.num_prompts=2", "eval.methods=[target,speculative]", "eval.k_sweep=[4]"]
+    args = [
+        "eval",
+        "recipe=ci",
+        f"paths.runs_dir={runs_dir}",
+        f"eval.drafter_path={ci_drafter}",
+        "eval.temperatures=[0.0]",
+        "eval.num_prompts=2",
+        "eval.methods=[target,speculative]",
+        "eval.k_sweep=[4]",
+    ]
     capsys.readouterr()
     assert cli.main(args) == 2
     err = capsys.readouterr().err
-    error = err[err.index("error: "):]  # after the weights' loading bars
+    error = err[err.index("error: ") :]  # after the weights' loading bars
     assert error.startswith("error: 2 greedy outputs differ from the target's own") and error.count("\n") == 1
     out = next(runs_dir.glob("**/eval"))
     assert (out / "samples.jsonl").exists() and not (out / "COMPLETE").exists()
@@ -297,14 +349,26 @@ def test_eval_resumes_after_sigterm_and_kill_measuring_only_the_missing_prompts(
 
     from pipeline.config import REPO_ROOT
 
-    args = ["eval", "recipe=ci", f"paths.runs_dir={runs_dir}", f"eval.drafter_path={ci_drafter}", "eval.num_prompts=2",
-            "eval.methods=[target,speculative]", "eval.k_sweep=[4]"]
+    args = [
+        "eval",
+        "recipe=ci",
+        f"paths.runs_dir={runs_dir}",
+        f"eval.drafter_path={ci_drafter}",
+        "eval.num_prompts=2",
+        "eval.methods=[target,speculative]",
+        "eval.k_sweep=[4]",
+    ]
     cfg = compose_config(args[1:])
     rows_total = cfg.eval.num_prompts * 2  # T=0 and T=1 (one seed): SIGTERM leaves 1 row, the kill 2, the rerun 4
 
     def start():
-        return subprocess.Popen([sys.executable, "-m", "pipeline", *args], cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "pipeline", *args],
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     first = start()
     out = runs_dir / "smollm2-135m" / "tiny-ci" / "ci" / "de-en" / "eval"
@@ -329,10 +393,15 @@ def test_eval_resumes_after_sigterm_and_kill_measuring_only_the_missing_prompts(
     assert "eval: resuming:" in stdout
     rows = [json.loads(line) for line in (out / "samples.jsonl").open()]
     assert [json.dumps(r) for r in rows[: len(killed)]] == [json.dumps(json.loads(line)) for line in killed]
-    assert len(rows) == rows_total and len({(r["lang"], r["temperature"], r["seed"], r["id"]) for r in rows}) == rows_total
+    assert (
+        len(rows) == rows_total and len({(r["lang"], r["temperature"], r["seed"], r["id"]) for r in rows}) == rows_total
+    )
     metrics = json.loads((out / "metrics.json").read_text())
     assert [s["prompts_measured"] for s in metrics["sessions"]] == [
-        len(kept), len(killed) - len(kept), rows_total - len(killed)]
+        len(kept),
+        len(killed) - len(kept),
+        rows_total - len(killed),
+    ]
     for by_t in metrics["results"]["de-en"].values():
         for stats in by_t["seeds"].values():
             assert {name: s["prompts"] for name, s in stats.items()} == {m: cfg.eval.num_prompts for m in stats}
@@ -342,19 +411,40 @@ def test_eval_resumes_after_sigterm_and_kill_measuring_only_the_missing_prompts(
 
 
 @pytest.mark.slow
-def test_eval_chooses_target_dtype_and_k_from_measured_costs_and_says_when_no_k_pays(ci_drafter, runs_dir, monkeypatch,
-                                                                                     capsys):
+def test_eval_chooses_target_dtype_and_k_from_measured_costs_and_says_when_no_k_pays(
+    ci_drafter, runs_dir, monkeypatch, capsys
+):
     """Injected costs of a machine where bf16 verifies fastest and no K pays (issue 30's Xeon: v(K) ~2): the eval
     decodes every method in bf16 (tie-gated), picks K per method, and says in one line why the drafter cannot pay."""
     from pipeline.evaluation import transformers_backend as backend
 
     monkeypatch.setattr(backend, "half_precision_dtypes", lambda device: ["bfloat16"])
-    monkeypatch.setattr(backend, "time_steps", lambda models, ids, k: {
-        "float32": {"step_s": 0.050, "verify_s": 0.104}, "bfloat16": {"step_s": 0.049, "verify_s": 0.053}})
-    monkeypatch.setattr(backend, "step_costs", lambda target, drafter, ids, ks: {
-        "target_step_s": 0.05, "drafter_step_s": 0.01, "c": 0.2, "v": {k: 1.9 + 0.05 * k for k in ks}})
-    args = ["eval", "recipe=ci", f"paths.runs_dir={runs_dir}", f"eval.drafter_path={ci_drafter}", "eval.warmup=1",
-            "eval.dtype_candidates=[bfloat16]"]
+    monkeypatch.setattr(
+        backend,
+        "time_steps",
+        lambda models, ids, k: {
+            "float32": {"step_s": 0.050, "verify_s": 0.104},
+            "bfloat16": {"step_s": 0.049, "verify_s": 0.053},
+        },
+    )
+    monkeypatch.setattr(
+        backend,
+        "step_costs",
+        lambda target, drafter, ids, ks: {
+            "target_step_s": 0.05,
+            "drafter_step_s": 0.01,
+            "c": 0.2,
+            "v": {k: 1.9 + 0.05 * k for k in ks},
+        },
+    )
+    args = [
+        "eval",
+        "recipe=ci",
+        f"paths.runs_dir={runs_dir}",
+        f"eval.drafter_path={ci_drafter}",
+        "eval.warmup=1",
+        "eval.dtype_candidates=[bfloat16]",
+    ]
     assert cli.main(args) == 0
     printed = capsys.readouterr().out
     metrics = json.loads((next(runs_dir.glob("**/eval")) / "metrics.json").read_text())

@@ -33,8 +33,7 @@ from pipeline.models.export import (
 )
 from pipeline.models.vocab import TokenizerMismatchError, VocabMap
 from pipeline.rundir import stage_dir
-from tests.helpers import llama
-from tests.helpers import finished_finetune, reduced_copy, tiny_gemma3
+from tests.helpers import finished_finetune, llama, reduced_copy, tiny_gemma3
 
 TARGET_VOCAB = 49152  # SmolLM2's
 
@@ -44,7 +43,11 @@ def exported(request, smollm_path, tmp_path):
     """A tiny target on SmolLM2's tokenizer, its reduced-vocabulary copy (the target's rows of every third id and
     the special ids, tied: it agrees with the target where the target's choice is mapped) as a finetuned
     drafter folder, and that folder exported."""
-    target = llama(0, TARGET_VOCAB) if request.param == "llama" else tiny_gemma3(0, TARGET_VOCAB, ["sliding_attention", "full_attention"])  # its cache from the wrapper's config
+    target = (
+        llama(0, TARGET_VOCAB)
+        if request.param == "llama"
+        else tiny_gemma3(0, TARGET_VOCAB, ["sliding_attention", "full_attention"])
+    )  # its cache from the wrapper's config
     tokenizer = AutoTokenizer.from_pretrained(smollm_path)
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
@@ -84,15 +87,18 @@ def test_the_package_class_loads_the_export_without_its_remote_code_in_the_dtype
     folder = exported["dir"] / "export"
     remote = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     (folder / "modeling_specdraft.py").write_text("raise SystemExit('remote code ran')\n")  # must not be needed
-    loaded = {dtype: SpecdraftDrafterForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-              for dtype in (torch.float32, torch.bfloat16)}
+    loaded = {
+        dtype: SpecdraftDrafterForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        for dtype in (torch.float32, torch.bfloat16)
+    }
     for dtype, model in loaded.items():
         assert type(model).__module__ == "pipeline.models.modeling_specdraft"
         assert {p.dtype for p in model.parameters()} == {dtype}
     ids = torch.randint(0, TARGET_VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        torch.testing.assert_close(loaded[torch.float32](input_ids=ids).logits, remote(input_ids=ids).logits,
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            loaded[torch.float32](input_ids=ids).logits, remote(input_ids=ids).logits, rtol=0, atol=0
+        )
 
 
 def test_target_assisted_by_the_exported_drafter_decodes_its_own_greedy_tokens(exported):
@@ -156,8 +162,11 @@ def test_vllm_engine_serves_an_export_folder_through_its_vllm_form(exported):
     assert torch.equal(exported_vocab(folder).target_ids, vocab.target_ids)
     cfg = compose_config(["recipe=ci", "eval.temperatures=[0]", "eval.num_draft_tokens=3"])
     assert vllm_backend.check(cfg, None, target, str(folder)) == {
-        "method": "draft_model", "model": str((folder / VLLM_DIR).resolve()), "num_speculative_tokens": 3,
-        "use_heterogeneous_vocab": True}
+        "method": "draft_model",
+        "model": str((folder / VLLM_DIR).resolve()),
+        "num_speculative_tokens": 3,
+        "use_heterogeneous_vocab": True,
+    }
     wrong = VocabMap(vocab.target_ids.flip(0), TARGET_VOCAB)
     reduced_tokenizer(exported["tokenizer"], wrong).save_pretrained(folder / VLLM_DIR)
     with pytest.raises(TokenizerMismatchError, match=r"cannot run .*vllm: vLLM's heterogeneous vocabulary .* maps"):
@@ -223,8 +232,9 @@ def test_draft_tensor_parallel_sizes_are_those_the_drafters_heads_and_width_divi
 
     shapes = {"vicuna-68m": (12, 12, 3072), "gemma-250m": (16, 2, 4096), "odd-width": (8, 8, 1002)}
     for name, (heads, kv_heads, width) in shapes.items():
-        LlamaConfig(hidden_size=64 * heads, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                    intermediate_size=width).save_pretrained(tmp_path / name)
+        LlamaConfig(
+            hidden_size=64 * heads, num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=width
+        ).save_pretrained(tmp_path / name)
     assert draft_tensor_parallel_sizes(tmp_path / "vicuna-68m") == [1, 2, 4]
     assert draft_tensor_parallel_sizes(tmp_path / "gemma-250m") == [1, 2, 4, 8]
     assert draft_tensor_parallel_sizes(tmp_path / "odd-width") == [1, 2]
@@ -232,7 +242,8 @@ def test_draft_tensor_parallel_sizes_are_those_the_drafters_heads_and_width_divi
 
 
 def test_make_export_runs_the_export_command_for_the_pair():
-    result = subprocess.run(["make", "-o", "install", "-n", "export", "LANG=fr-en"], cwd=REPO_ROOT, capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        ["make", "-o", "install", "-n", "export", "LANG=fr-en"], cwd=REPO_ROOT, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
     assert "-m pipeline export recipe=local lang=fr-en" in result.stdout

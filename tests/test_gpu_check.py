@@ -39,7 +39,9 @@ def test_gpu_check_runs_every_part_at_tiny_shapes_and_writes_the_json(tmp_path, 
     assert abs(engine["alpha_0.8/T1"]["calibration"]["T1"] - 0.8) < 0.01
     assert figures["stages/export_and_eval"]["eval"]["mismatches"] == 0
     drafters = figures["correctness/drafters"]
-    assert {"model/T0", "reduced_vocab/T1", "prompt_lookup/T0", "lookup_then_model/T1", "confidence_cut/T0"} <= set(drafters)
+    assert {"model/T0", "reduced_vocab/T1", "prompt_lookup/T0", "lookup_then_model/T1", "confidence_cut/T0"} <= set(
+        drafters
+    )
     report = next(tmp_path.glob("*/report.md")).read_text()
     assert "| costs/step_costs | measured |" in report and "## Engine" in report
     # A second command merges its parts into the same JSON (the GPU plan's three commands).
@@ -76,17 +78,23 @@ def test_the_trap_passes_placed_tensors_and_catches_unplaced_ones():
 
 
 def test_gpu_check_imports_no_heavy_optional_module():
-    code = ("import sys, pipeline.cli, pipeline.gpu_check.checks, pipeline.gpu_check.measurements, "
-            "pipeline.gpu_check.stages, pipeline.stages.eval, pipeline.evaluation.transformers_backend, "
-            "pipeline.stages.export; "
-            f"print([m for m in {HEAVY!r} if m in sys.modules])")
+    code = (
+        "import sys, pipeline.cli, pipeline.gpu_check.checks, pipeline.gpu_check.measurements, "
+        "pipeline.gpu_check.stages, pipeline.stages.eval, pipeline.evaluation.transformers_backend, "
+        "pipeline.stages.export; "
+        f"print([m for m in {HEAVY!r} if m in sys.modules])"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
 
 
 def test_make_gpu_check_passes_the_parts():
-    done = subprocess.run(["make", "-n", "-o", "install", "gpu-check", "GPU_CHECK_PARTS=costs,engine"], cwd=REPO_ROOT,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["make", "-n", "-o", "install", "gpu-check", "GPU_CHECK_PARTS=costs,engine"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     assert "-m pipeline gpu-check --shapes auto --parts costs,engine" in done.stdout

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pipeline.errors import LosslessError
 from pipeline.evaluation.gate import GreedyGate, first_divergence, tie_tolerance
 from pipeline.report import greedy_gate_line
-from pipeline.errors import LosslessError
 from pipeline.speculative.engine import top2_gap
 
 VOCAB = 8
@@ -37,8 +37,12 @@ class HandMadeLogits(torch.nn.Module):
 def gate_over(outputs: dict[str, list[int]], gaps: list[float], tolerance: float) -> GreedyGate:
     gate, model = GreedyGate(tolerance), HandMadeLogits(gaps)
     for method, output in outputs.items():
-        gate.check({"lang": "de-en", "id": "p0", "method": method}, REFERENCE, output,
-                   lambda position: top2_gap(model, PROMPT, REFERENCE[:position]))
+        gate.check(
+            {"lang": "de-en", "id": "p0", "method": method},
+            REFERENCE,
+            output,
+            lambda position: top2_gap(model, PROMPT, REFERENCE[:position]),
+        )
     return gate
 
 
@@ -65,8 +69,13 @@ def test_clear_margin_divergence_fails_in_one_line(tmp_path):
     with pytest.raises(LosslessError) as failed:
         gate.enforce("greedy outputs differ from the target's own", tmp_path)
     message = str(failed.value)
-    assert message.startswith("1 greedy outputs differ from the target's own (first: de-en p0 speculative at token 2, "
-                              "top-2 gap 3 >= tie tolerance 0.5)") and "\n" not in message
+    assert (
+        message.startswith(
+            "1 greedy outputs differ from the target's own (first: de-en p0 speculative at token 2, "
+            "top-2 gap 3 >= tie tolerance 0.5)"
+        )
+        and "\n" not in message
+    )
 
 
 def test_float32_gate_is_exact():

@@ -15,8 +15,24 @@ import pytest
 from pipeline.registry import REGISTRY
 
 PACKAGE = Path(__file__).parents[1] / "pipeline"
-LOWER = ("speculative", "models", "training", "evaluation", "data", "serving", "workers.py", "errors.py", "rundir.py",
-         "prompts.py", "device.py", "jsonl.py", "durable.py", "tracking.py", "report.py", "config")
+LOWER = (
+    "speculative",
+    "models",
+    "training",
+    "evaluation",
+    "data",
+    "serving",
+    "workers.py",
+    "errors.py",
+    "rundir.py",
+    "prompts.py",
+    "device.py",
+    "jsonl.py",
+    "durable.py",
+    "tracking.py",
+    "report.py",
+    "config",
+)
 UPPER = ("pipeline.stages", "pipeline.runner", "pipeline.cli", "pipeline.bench", "pipeline.gpu_check")
 
 
@@ -34,8 +50,11 @@ def imports(path: Path) -> set[str]:
 def module_names(path: Path) -> set[str]:
     """String constants that name a module of ``pipeline`` (an f-string's fixed part too): what ``import_module``
     would load."""
-    return {node.value for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("pipeline.")}
+    return {
+        node.value
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("pipeline.")
+    }
 
 
 def files(layer: str) -> list[Path]:
@@ -44,26 +63,38 @@ def files(layer: str) -> list[Path]:
 
 
 def reaching(paths, modules: tuple[str, ...]) -> set[str]:
-    return {f"{path.relative_to(PACKAGE)} imports {name}" for path in paths for name in imports(path)
-            if any(name == module or name.startswith(module + ".") for module in modules)}
+    return {
+        f"{path.relative_to(PACKAGE)} imports {name}"
+        for path in paths
+        for name in imports(path)
+        if any(name == module or name.startswith(module + ".") for module in modules)
+    }
 
 
 @pytest.mark.parametrize("layer", LOWER)
 def test_lower_layers_never_import_the_stages_runner_cli_or_benches(layer):
     assert files(layer)
     assert not reaching(files(layer), UPPER)
-    assert not {f"{path.relative_to(PACKAGE)} names {name}" for path in files(layer) for name in module_names(path)
-                if any(name.startswith(module) for module in UPPER)}
+    assert not {
+        f"{path.relative_to(PACKAGE)} names {name}"
+        for path in files(layer)
+        for name in module_names(path)
+        if any(name.startswith(module) for module in UPPER)
+    }
 
 
-@pytest.mark.parametrize("layer, above", [("evaluation", ("pipeline.training",)),
-                                          ("speculative", ("pipeline.training", "pipeline.evaluation"))])
+@pytest.mark.parametrize(
+    "layer, above",
+    [("evaluation", ("pipeline.training",)), ("speculative", ("pipeline.training", "pipeline.evaluation"))],
+)
 def test_evaluation_sits_below_training_and_speculative_decoding_below_both(layer, above):
     assert not reaching(files(layer), above)
 
 
 def test_only_the_entry_point_imports_the_cli():
-    below = [path for path in PACKAGE.rglob("*.py") if path.relative_to(PACKAGE).as_posix() not in ("cli.py", "__main__.py")]
+    below = [
+        path for path in PACKAGE.rglob("*.py") if path.relative_to(PACKAGE).as_posix() not in ("cli.py", "__main__.py")
+    ]
     assert not reaching(below, ("pipeline.cli",))
 
 

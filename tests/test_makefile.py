@@ -52,8 +52,11 @@ def test_install_chooses_the_build_and_keys_its_stamp_by_the_extras():
     dependencies; LOCK=none installs from the ranges (GPU extras: CUDA torch, nothing uninstalled; CPU extras: the
     CPU torch, then PyPI's CUDA torchvision/torchaudio removed). Each build has its own stamp, so switching is never
     a silent no-op."""
+
     def install(*variables):
-        result = subprocess.run(["make", "-n", "-B", "install", *variables], cwd=REPO_ROOT, capture_output=True, text=True)
+        result = subprocess.run(
+            ["make", "-n", "-B", "install", *variables], cwd=REPO_ROOT, capture_output=True, text=True
+        )
         assert result.returncode == 0, result.stderr
         return result.stdout
 
@@ -79,8 +82,9 @@ def test_install_refuses_a_venv_of_the_other_build(tmp_path):
     venv = tmp_path / "venv"
     venv.mkdir()
     (venv / ".installed-cpu-dev").touch()
-    result = subprocess.run(["make", "install", "EXTRAS=gpu,dev", f"VENV={venv}"], cwd=REPO_ROOT, capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        ["make", "install", "EXTRAS=gpu,dev", f"VENV={venv}"], cwd=REPO_ROOT, capture_output=True, text=True
+    )
     assert result.returncode != 0 and list(venv.iterdir()) == [venv / ".installed-cpu-dev"]
     assert f"error: {venv} holds another build (cpu-dev); remove it (rm -rf {venv})" in result.stderr
 
@@ -95,6 +99,17 @@ def test_help_names_the_variables_a_user_sets():
 
     result = make("help")
     assert result.returncode == 0
-    for variable in ("LANG=", "RECIPE=", "ARGS=", "CONFIG_DIR=", "DEMO_LANGS=", "BENCH=", "EXTRAS=", "LOCK=", "TORCH=", "VENV="):
+    for variable in (
+        "LANG=",
+        "RECIPE=",
+        "ARGS=",
+        "CONFIG_DIR=",
+        "DEMO_LANGS=",
+        "BENCH=",
+        "EXTRAS=",
+        "LOCK=",
+        "TORCH=",
+        "VENV=",
+    ):
         assert variable in result.stdout, variable
     assert " ".join(names()) in result.stdout

@@ -20,14 +20,16 @@ def greedy(path: str, prompt: str, max_new_tokens: int = 30) -> str:
     inputs = tokenizer(prompt, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    return tokenizer.decode(out[0, inputs.input_ids.shape[1]:], skip_special_tokens=True)
+    return tokenizer.decode(out[0, inputs.input_ids.shape[1] :], skip_special_tokens=True)
 
 
 def test_gemma_target_translates_german_to_english(gemma_path):
     cfg = compose_config(["recipe=local", "lang=de-en"])
     tokenizer = load_tokenizer(gemma_path)
     assert len(tokenizer) == 262144
-    prompt = build_prompt(cfg.target, cfg.lang, "Der Hund läuft durch den Park, weil er seinen Ball finden will.", tokenizer)
+    prompt = build_prompt(
+        cfg.target, cfg.lang, "Der Hund läuft durch den Park, weil er seinen Ball finden will.", tokenizer
+    )
     assert prompt.endswith("\nEnglish:")
     assert tokenizer(prompt).input_ids[0] == tokenizer.bos_token_id  # Gemma only translates after <bos>
     translation = greedy(gemma_path, prompt).split("\n")[0].strip().lower()

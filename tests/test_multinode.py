@@ -28,13 +28,23 @@ TRAIN_NODE = str(REPO_ROOT / "slurm" / "train-node.sh")
 NODES = 2
 TIMEOUT_S = 600  # a safety net for a loaded machine, not a speed goal
 # Two processes in all, one per node, in DeepSpeed's CPU accelerator's gloo group.
-TRAIN = ["train.pretrain.launch=deepspeed-zero2", "train.pretrain.num_processes=2", "train.pretrain.log_every=1",
-         "train.pretrain.max_steps=10"]
+TRAIN = [
+    "train.pretrain.launch=deepspeed-zero2",
+    "train.pretrain.num_processes=2",
+    "train.pretrain.log_every=1",
+    "train.pretrain.max_steps=10",
+]
 
 
 def args(runs_dir: Path) -> list[str]:
-    return ["recipe=ci", "logger=none", f"paths.runs_dir={runs_dir}", f"paths.cache_dir={runs_dir}/cache", *TRAIN,
-            "lang=de-en"]
+    return [
+        "recipe=ci",
+        "logger=none",
+        f"paths.runs_dir={runs_dir}",
+        f"paths.cache_dir={runs_dir}/cache",
+        *TRAIN,
+        "lang=de-en",
+    ]
 
 
 def start_nodes(runs_dir: Path, job_id: int) -> list[subprocess.Popen]:
@@ -44,12 +54,27 @@ def start_nodes(runs_dir: Path, job_id: int) -> list[subprocess.Popen]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     nodes = []
     for rank in range(NODES):
-        env = base | {"SLURM_JOB_ID": str(job_id), "SLURM_JOB_NAME": "pretrain", "SLURM_NNODES": str(NODES),
-                      "SLURM_NODEID": str(rank), "MAIN_PROCESS_IP": "127.0.0.1", "MAIN_PROCESS_PORT": str(port),
-                      "SPECDRAFT_PYTHON": sys.executable, "TMPDIR": str(runs_dir)}
+        env = base | {
+            "SLURM_JOB_ID": str(job_id),
+            "SLURM_JOB_NAME": "pretrain",
+            "SLURM_NNODES": str(NODES),
+            "SLURM_NODEID": str(rank),
+            "MAIN_PROCESS_IP": "127.0.0.1",
+            "MAIN_PROCESS_PORT": str(port),
+            "SPECDRAFT_PYTHON": sys.executable,
+            "TMPDIR": str(runs_dir),
+        }
         with (runs_dir / f"job{job_id}-node{rank}.log").open("w") as log:
-            nodes.append(subprocess.Popen([TRAIN_NODE, "pretrain", *args(runs_dir)], cwd=REPO_ROOT, env=env,
-                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            nodes.append(
+                subprocess.Popen(
+                    [TRAIN_NODE, "pretrain", *args(runs_dir)],
+                    cwd=REPO_ROOT,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
     return nodes
 
 
@@ -106,7 +131,9 @@ def test_two_node_deepspeed_pretrain_joins_one_rendezvous(uninterrupted):
     assert json.loads((checkpoint / "step.json").read_text())["deepspeed"] is True
     # ZeRO-2 over the two nodes' ranks: one optimizer shard each.
     assert sorted(p.name for p in (checkpoint / "pytorch_model").glob("zero_pp_rank_*_optim_states.pt")) == [
-        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
 
 
 def test_two_node_pretrain_stopped_at_its_time_limit_resumes_to_the_same_losses(uninterrupted, tmp_path):

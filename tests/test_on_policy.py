@@ -13,13 +13,13 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaForCausalLM
 
-from tests.helpers import tiny_llama
 from pipeline.config import Divergence, FinetuneConfig
 from pipeline.evaluation.teacher_forced import TeacherForced, drafter_log_probs
 from pipeline.models.vocab import VocabMap
-from pipeline.training import loop, on_policy
 from pipeline.prompts import IGNORE
+from pipeline.training import loop, on_policy
 from pipeline.training.launch import MetricsLog
+from tests.helpers import tiny_llama
 
 TARGET_VOCAB, MAPPED, EOS, PAD = 48, 24, 2, 0
 VOCAB = VocabMap(torch.arange(MAPPED), TARGET_VOCAB)  # the target's ids 0..23; 24..47 the drafter cannot propose
@@ -45,8 +45,12 @@ def examples(n: int = 24) -> list[dict]:
     out = []
     for _ in range(n):
         prompt, answer = rng.integers(3, MAPPED, rng.integers(3, 7)), rng.integers(3, TARGET_VOCAB, rng.integers(4, 9))
-        out.append({"input_ids": np.concatenate([prompt, answer]),
-                    "labels": np.concatenate([np.full(len(prompt), IGNORE), answer])})
+        out.append(
+            {
+                "input_ids": np.concatenate([prompt, answer]),
+                "labels": np.concatenate([np.full(len(prompt), IGNORE), answer]),
+            }
+        )
     return out
 
 
@@ -82,8 +86,9 @@ def test_target_scores_and_heldout_estimate_equal_a_full_vocabulary_computation(
         ids = torch.as_tensor(e["input_ids"])[None]
         with torch.no_grad():
             p = torch.softmax(target(input_ids=ids).logits[0, :-1].double(), -1)
-            q = torch.softmax(VOCAB.expand_logits(drafter(input_ids=VOCAB.encode(ids)).logits[0, :-1, :MAPPED + 1]
-                                                  .double()), -1)
+            q = torch.softmax(
+                VOCAB.expand_logits(drafter(input_ids=VOCAB.encode(ids)).logits[0, :-1, : MAPPED + 1].double()), -1
+            )
         answer = torch.as_tensor(e["labels"])[1:] != IGNORE
         accept += float(torch.minimum(p, q)[answer].sum(-1).sum())
         agree += float((p.argmax(-1) == q.argmax(-1))[answer].sum())
@@ -93,8 +98,10 @@ def test_target_scores_and_heldout_estimate_equal_a_full_vocabulary_computation(
 
 
 def finetune_config(tmp_path, **on_policy_overrides):
-    op = dict(enabled=True, rounds=4, steps_per_round=5, batch_size=4, rollout_tokens=6, lr=3e-2,
-              heldout_prompts=4) | on_policy_overrides
+    op = (
+        dict(enabled=True, rounds=4, steps_per_round=5, batch_size=4, rollout_tokens=6, lr=3e-2, heldout_prompts=4)
+        | on_policy_overrides
+    )
     return OmegaConf.merge(OmegaConf.structured(FinetuneConfig), {"max_length": 32, "log_every": 1, "on_policy": op})
 
 
@@ -107,8 +114,9 @@ def align(tc, out_dir, drafter, on_log=None):
             on_log(step)
 
     data = examples()
-    return on_policy.align(tc, drafter, VOCAB, peaked_target(), data[4:], data[:4], [EOS], PAD, out_dir,
-                           logger, seed=0, first_step=100)
+    return on_policy.align(
+        tc, drafter, VOCAB, peaked_target(), data[4:], data[:4], [EOS], PAD, out_dir, logger, seed=0, first_step=100
+    )
 
 
 def test_on_policy_loss_falls_over_rounds_and_the_heldout_acceptance_rises(tmp_path):

@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import standins  # tests/standins.py
 from huggingface_hub import constants
 
-import standins  # tests/standins.py
 from pipeline.config import REPO_ROOT, ConfigError, compose_config
 from pipeline.data.sources import load_sources
 from pipeline.models.provision import load_tokenizer, model_path
@@ -33,14 +33,19 @@ pytestmark = pytest.mark.paper
 def stand_ins(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("stand-ins")
     families = {family: standins.family_source(family, root / family) for family in ("llama2", "vicuna", "gemma")}
-    return {"families": families, "data": standins.datasets_root(root / "datasets"), "root": root,
-            "vicuna-68m": standins.drafter_start(families["vicuna"], root / "vicuna-68m")}
+    return {
+        "families": families,
+        "data": standins.datasets_root(root / "datasets"),
+        "root": root,
+        "vicuna-68m": standins.drafter_start(families["vicuna"], root / "vicuna-68m"),
+    }
 
 
 def dry_run_args(stand_ins: dict, recipe: str, runs_dir: Path) -> tuple[str, list[str]]:
     family, pair = standins.RECIPE_FAMILIES[recipe]
-    overrides = standins.dry_run_overrides(stand_ins["families"][family], stand_ins["data"], pair, runs_dir,
-                                           stand_ins["root"] / "cache")
+    overrides = standins.dry_run_overrides(
+        stand_ins["families"][family], stand_ins["data"], pair, runs_dir, stand_ins["root"] / "cache"
+    )
     if compose_config([f"recipe={recipe}"]).drafter.init_from:  # paper-vicuna starts from double7/vicuna-68m
         overrides.append(f"drafter.init_from={stand_ins['vicuna-68m']}")
     return pair, overrides
@@ -91,15 +96,22 @@ def test_dry_run_completes_every_stage_with_one_tokenization(stand_ins, tmp_path
 
 @pytest.mark.slow
 def test_after_make_prepare_every_stage_runs_with_the_hub_unreachable_and_without_it_one_line_names_it(
-        stand_ins, tmp_path, monkeypatch):
+    stand_ins, tmp_path, monkeypatch
+):
     """paper-llama2 as on a cluster: `make prepare` on a login node, where the stand-in hub serves the target (the
     recipe's own hub id) and the datasets lie on disk; then `make dry-run` as on a compute node: HF_HUB_OFFLINE=1,
     HF_ENDPOINT a closed port, no hub serving, the datasets gone."""
     data = standins.datasets_root(tmp_path / "datasets")  # this test's own copy: removed after prepare
     runs_dir, cache, hf_home = tmp_path / "runs", tmp_path / "cache", tmp_path / "hf"
-    overrides = [f"paths.runs_dir={runs_dir}", f"paths.cache_dir={cache}", f"paths.models_dir={cache / 'models'}",
-                 f"lang.hub.dataset={data['wmt19']}", f"data.pretrain_corpora.0.hub_dataset={data['c4']}",
-                 "data.pretrain_max_documents=64", "logger.mode=offline"]  # the full recipe's C4 share at stand-in size
+    overrides = [
+        f"paths.runs_dir={runs_dir}",
+        f"paths.cache_dir={cache}",
+        f"paths.models_dir={cache / 'models'}",
+        f"lang.hub.dataset={data['wmt19']}",
+        f"data.pretrain_corpora.0.hub_dataset={data['c4']}",
+        "data.pretrain_max_documents=64",
+        "logger.mode=offline",
+    ]  # the full recipe's C4 share at stand-in size
     args = ("RECIPE=paper-llama2", "LANG=zh-en", f"ARGS={' '.join(overrides)}")
     compute_node = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
 
@@ -108,12 +120,16 @@ def test_after_make_prepare_every_stage_runs_with_the_hub_unreachable_and_withou
     assert done.returncode != 0 and errors == [
         "error: not cached here and the hub is off (HF_HUB_OFFLINE=1): target llama2-7b-chat "
         "(meta-llama/Llama-2-7b-chat-hf@main, config and tokenizer); run `make prepare RECIPE=paper-llama2 LANG=zh-en` "
-        "where the hub is reachable"], done.stderr[-3000:]
+        "where the hub is reachable"
+    ], done.stderr[-3000:]
     assert "Traceback" not in done.stderr
 
     with standins.serve_hub({"meta-llama/Llama-2-7b-chat-hf": stand_ins["families"]["llama2"]}) as endpoint:
-        done = make("prepare", *args, env={"HF_HOME": str(hf_home), "HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "0",
-                                           "HF_DATASETS_OFFLINE": "0"})
+        done = make(
+            "prepare",
+            *args,
+            env={"HF_HOME": str(hf_home), "HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0"},
+        )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "paper-llama2 zh-en, dry run:" in done.stdout and "now run offline (HF_HUB_OFFLINE=1)" in done.stdout
     shutil.rmtree(tmp_path / "datasets")
@@ -134,8 +150,12 @@ def test_vicuna_p_f_and_f_only_land_apart_and_the_report_shows_both(stand_ins, t
         evals.append(stage_dir(cfg, "eval").path)
         assert_one_tokenization(cfg)
     assert evals[0] != evals[1] and all((path / "COMPLETE").exists() for path in evals)
-    report = subprocess.run([sys.executable, "-m", "pipeline", "report", f"paths.runs_dir={runs_dir}"], cwd=REPO_ROOT,
-                            capture_output=True, text=True)
+    report = subprocess.run(
+        [sys.executable, "-m", "pipeline", "report", f"paths.runs_dir={runs_dir}"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert report.returncode == 0 and all(f"## {path}" in report.stdout for path in evals), report.stdout
 
 
@@ -147,7 +167,9 @@ def test_held_out_split_falls_back_to_validation_and_an_unknown_split_names_the_
     assert heldout[0].src == standins.sentence_pairs(1, 100)[0]["zh"]  # validation's first row
     with pytest.raises(ConfigError, match=r"lang.hub.heldout_split=test: \S+ zh-en has the splits train, validation$"):
         load_sources(compose_config([*base, "lang.hub.heldout_split=test"]))
-    _, heldout = load_sources(compose_config(["recipe=paper-vicuna", "lang=de-en", f"lang.hub.dataset={data['wmt16']}"]))
+    _, heldout = load_sources(
+        compose_config(["recipe=paper-vicuna", "lang=de-en", f"lang.hub.dataset={data['wmt16']}"])
+    )
     assert heldout[0].src == standins.sentence_pairs(1, 200)[0]["de"]  # wmt16 has a test split: its first row
 
 
@@ -155,5 +177,6 @@ def test_a_bad_dry_run_option_fails_in_one_line(stand_ins):
     done = make("dry-run", "RECIPE=paper-llama2", "LANG=zh-en", "ARGS=+dry_run=tiny")
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: unknown dry_run 'tiny'; valid: on; or write your own as DIR/dry_run/tiny.yaml and pass "
-                      "--config-dir DIR"], done.stderr
+    assert errors == [
+        "error: unknown dry_run 'tiny'; valid: on; or write your own as DIR/dry_run/tiny.yaml and pass --config-dir DIR"
+    ], done.stderr

@@ -12,10 +12,17 @@ from omegaconf import OmegaConf
 from pipeline.config import ConfigError, ParallelDraftConfig, compose_config
 from pipeline.models.drafter import make_parallel
 from pipeline.models.vocab import PARD_K, PARD_TOKEN, VocabMap
-from pipeline.speculative.engine import (CachedModel, LookupThenModelDrafter, ParallelDrafter, PromptLookupDrafter,
-                                         check_parallel_k, generate, model_drafter)
-from pipeline.speculative.sampler import Sampling, probabilities
 from pipeline.prompts import IGNORE
+from pipeline.speculative.engine import (
+    CachedModel,
+    LookupThenModelDrafter,
+    ParallelDrafter,
+    PromptLookupDrafter,
+    check_parallel_k,
+    generate,
+    model_drafter,
+)
+from pipeline.speculative.sampler import Sampling, probabilities
 from pipeline.training.parallel_draft import ParallelDraftCollator, attention_mask, mask_token
 from tests.helpers import NO_STOP, PROMPT, VOCAB, assert_follows, full_greedy, llama
 
@@ -41,8 +48,12 @@ def test_a_training_row_is_what_the_drafter_computes_at_inference():
     batch = collate(examples)
     assert batch["input_ids"].shape[0] == 2  # packed: two rows, the second padded
     with torch.inference_mode():
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], logits_to_keep=0,
-                       attention_mask=attention_mask(batch["segment_ids"], batch["anchors"], batch["offsets"])).logits
+        logits = model(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            logits_to_keep=0,
+            attention_mask=attention_mask(batch["segment_ids"], batch["anchors"], batch["offsets"]),
+        ).logits
     checked = 0
     for r in range(batch["input_ids"].shape[0]):
         at = {}
@@ -51,8 +62,9 @@ def test_a_training_row_is_what_the_drafter_computes_at_inference():
             if segment < 0:
                 continue
             start = at.setdefault(segment, i)  # a row's examples start with their real tokens
-            ids = batch["input_ids"][r, start:start + int((batch["offsets"][r] == 0).logical_and(
-                batch["segment_ids"][r] == segment).sum())]
+            ids = batch["input_ids"][
+                r, start : start + int((batch["offsets"][r] == 0).logical_and(batch["segment_ids"][r] == segment).sum())
+            ]
             t, j = int(batch["anchors"][r, i]), int(batch["offsets"][r, i])
             context = torch.cat([ids[: t + 1], torch.full((j,), MASK)])[None]
             with torch.inference_mode():
@@ -78,7 +90,7 @@ def test_the_conditional_drop_keeps_nested_chains_of_answer_anchors():
         assert kept[j] <= kept[j - 1] - {400 - 1 - j}
         assert min(kept[j]) >= 39 and max(kept[j]) <= 400 - 2 - j
         share = len(kept[j]) / (400 - 1 - j - 39)
-        assert abs(share - max(0.7 ** j, 0.2)) < 0.1, (j, share)
+        assert abs(share - max(0.7**j, 0.2)) < 0.1, (j, share)
     assert (labels[offsets > 0] != IGNORE).all()
     assert (row["position_ids"] == anchors + offsets).all()
     again = collate.expand(example(400, 40, 3))
@@ -89,8 +101,11 @@ def test_the_conditional_drop_keeps_nested_chains_of_answer_anchors():
 def test_greedy_decoding_with_a_parallel_drafter_is_token_exact(vocab):
     target = CachedModel(llama(0))
     reference = full_greedy(target.model, PROMPT, 30)
-    vocab_map = VocabMap(torch.tensor(sorted(set(reference[::2]) | set(range(0, VOCAB - 1, 4)))), VOCAB) \
-        if vocab == "reduced" else None
+    vocab_map = (
+        VocabMap(torch.tensor(sorted(set(reference[::2]) | set(range(0, VOCAB - 1, 4)))), VOCAB)
+        if vocab == "reduced"
+        else None
+    )
     model = llama(1, vocab=vocab_map.drafter_vocab_size if vocab_map else VOCAB)
     drafter = model_drafter(make_parallel(model, vocab_map, 5, None if vocab_map else MASK), vocab_map)
     assert isinstance(drafter, ParallelDrafter)
@@ -131,8 +146,10 @@ def test_sampling_with_a_parallel_drafter_is_the_target_distribution(vocab):
     prompt = torch.tensor([[1, 2, 3, 2]])
     with torch.inference_mode():
         first = probabilities(target_model(input_ids=prompt).logits[0, -1], sampling)
-        second = probabilities(target_model(input_ids=torch.cat([prompt.repeat(size, 1), torch.arange(size)[:, None]], 1)
-                                            ).logits[:, -1], sampling)
+        second = probabilities(
+            target_model(input_ids=torch.cat([prompt.repeat(size, 1), torch.arange(size)[:, None]], 1)).logits[:, -1],
+            sampling,
+        )
     expected = (first[:, None] * second).flatten().double()
     target, g, samples = CachedModel(target_model), torch.Generator().manual_seed(0), []
     threads = torch.get_num_threads()
@@ -150,9 +167,12 @@ def test_more_draft_tokens_than_trained_is_one_line():
     model = make_parallel(llama(1), None, 4, MASK)
     assert (getattr(model.config, PARD_TOKEN), getattr(model.config, PARD_K)) == (MASK, 4)
     check_parallel_k(model.config, [2, 4])
-    with pytest.raises(ConfigError, match=r"^K=6 draft tokens, but this parallel drafter learned 4 positions: set "
-                                          r"eval.num_draft_tokens and eval.k_sweep to at most 4, or finetune it with "
-                                          r"train.finetune.parallel_draft.k=6$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^K=6 draft tokens, but this parallel drafter learned 4 positions: set "
+        r"eval.num_draft_tokens and eval.k_sweep to at most 4, or finetune it with "
+        r"train.finetune.parallel_draft.k=6$",
+    ):
         check_parallel_k(model.config, [2, 6])
     with pytest.raises(ConfigError):
         ParallelDrafter(model).propose(PROMPT, 5, Sampling(), None)

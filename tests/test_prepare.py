@@ -10,9 +10,9 @@ from pathlib import Path
 
 import datasets.config
 import pytest
+import standins  # tests/standins.py
 from huggingface_hub import constants
 
-import standins  # tests/standins.py
 from pipeline.config import compose_config
 from pipeline.data.sources import load_sources
 from pipeline.models.provision import NotPreparedError, cached_snapshot, download_snapshot, hub_snapshot
@@ -62,8 +62,11 @@ def test_a_snapshot_keeps_one_weight_format_and_is_found_offline_without_the_hub
     use_hub(monkeypatch, CLOSED_PORT)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert hub_snapshot("org/both", None) == str(full)  # no hub call: the cached commit of main
-    with pytest.raises(NotPreparedError, match=r"^org/other \(revision main\) is not in the HF cache and the hub is "
-                                               r"off \(HF_HUB_OFFLINE=1\); run `make prepare RECIPE=<recipe> LANG=<pair>`"):
+    with pytest.raises(
+        NotPreparedError,
+        match=r"^org/other \(revision main\) is not in the HF cache and the hub is "
+        r"off \(HF_HUB_OFFLINE=1\); run `make prepare RECIPE=<recipe> LANG=<pair>`",
+    ):
         hub_snapshot("org/other", None)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     with pytest.raises(NotPreparedError, match=r"^cannot download org/other from the hub \(.*\): a gated model needs"):
@@ -71,9 +74,17 @@ def test_a_snapshot_keeps_one_weight_format_and_is_found_offline_without_the_hub
 
 
 def paper_llama2(tmp_path: Path, data: dict, *more: str):
-    return compose_config(["recipe=paper-llama2", "lang=zh-en", f"paths.cache_dir={tmp_path / 'cache'}",
-                           f"paths.models_dir={tmp_path / 'models'}", f"lang.hub.dataset={data['wmt19']}",
-                           f"data.pretrain_corpora.0.hub_dataset={data['c4']}", *more])
+    return compose_config(
+        [
+            "recipe=paper-llama2",
+            "lang=zh-en",
+            f"paths.cache_dir={tmp_path / 'cache'}",
+            f"paths.models_dir={tmp_path / 'models'}",
+            f"lang.hub.dataset={data['wmt19']}",
+            f"data.pretrain_corpora.0.hub_dataset={data['c4']}",
+            *more,
+        ]
+    )
 
 
 def test_prepared_rows_are_read_after_the_dataset_is_gone_and_missing_ones_name_make_prepare(tmp_path, hub_cache):
@@ -88,15 +99,22 @@ def test_prepared_rows_are_read_after_the_dataset_is_gone_and_missing_ones_name_
     assert sources.cached() is not None and load_sources(cfg) == streamed
     constants.HF_HUB_OFFLINE = True  # restored by the hub_cache fixture
     assert load_sources(cfg) == streamed  # fewer rows than prepared: the file's first ones
-    assert load_sources(paper_llama2(tmp_path, data, "data.max_train_prompts=5", "data.heldout_max=4"))[0] == streamed[0][:5]
-    with pytest.raises(NotPreparedError, match=r"^20 train rows of \S+wmt19 zh-en are not in \S+ and the hub is off "
-                                               r"\(HF_HUB_OFFLINE=1\); run `make prepare RECIPE=paper-llama2 "
-                                               r"LANG=zh-en` where the hub is reachable$"):
+    assert (
+        load_sources(paper_llama2(tmp_path, data, "data.max_train_prompts=5", "data.heldout_max=4"))[0]
+        == streamed[0][:5]
+    )
+    with pytest.raises(
+        NotPreparedError,
+        match=r"^20 train rows of \S+wmt19 zh-en are not in \S+ and the hub is off "
+        r"\(HF_HUB_OFFLINE=1\); run `make prepare RECIPE=paper-llama2 "
+        r"LANG=zh-en` where the hub is reachable$",
+    ):
         load_sources(paper_llama2(tmp_path, data, "data.max_train_prompts=20", "data.heldout_max=4"))
 
 
-def test_a_stage_goes_offline_when_everything_is_prepared_and_names_make_prepare_when_not(tmp_path, hub_cache,
-                                                                                          monkeypatch):
+def test_a_stage_goes_offline_when_everything_is_prepared_and_names_make_prepare_when_not(
+    tmp_path, hub_cache, monkeypatch
+):
     data = standins.datasets_root(tmp_path / "datasets")
     family = standins.family_source("llama2", tmp_path / "llama2")
     (family / "model.safetensors").write_text("the 7B weights, which a dry run's stand-in never reads\n")
@@ -113,7 +131,10 @@ def test_a_stage_goes_offline_when_everything_is_prepared_and_names_make_prepare
     use_hub(monkeypatch, CLOSED_PORT)
     offline_when_prepared(cfg)
     assert constants.HF_HUB_OFFLINE and os.environ["HF_HUB_OFFLINE"] == os.environ["HF_DATASETS_OFFLINE"] == "1"
-    with pytest.raises(NotPreparedError, match=r"^not cached here and the hub is off \(HF_HUB_OFFLINE=1\): target "
-                                               r"llama2-7b-chat \(meta-llama/Llama-2-7b-chat-hf@main\); zh-en rows "
-                                               r"\(\S+ zh-en\); pretraining tokens \(\S+\); run `make prepare RECIPE=paper-llama2 LANG=zh-en`"):
+    with pytest.raises(
+        NotPreparedError,
+        match=r"^not cached here and the hub is off \(HF_HUB_OFFLINE=1\): target "
+        r"llama2-7b-chat \(meta-llama/Llama-2-7b-chat-hf@main\); zh-en rows "
+        r"\(\S+ zh-en\); pretraining tokens \(\S+\); run `make prepare RECIPE=paper-llama2 LANG=zh-en`",
+    ):
         offline_when_prepared(paper_llama2(tmp_path, data, "data.pretrain_max_documents=8"))  # the full recipe

@@ -19,7 +19,8 @@ import pytest
 from pipeline.cli import main as cli
 from pipeline.config import REPO_ROOT, compose_config
 from pipeline.rundir import MARKER, stage_dir
-from pipeline.stages import distill, eval as eval_stage, export, finetune, pretrain
+from pipeline.stages import distill, export, finetune, pretrain
+from pipeline.stages import eval as eval_stage
 from pipeline.training.launch import LAUNCH_CONFIG, read_metrics
 from pipeline.training.loop import CHECKPOINTS
 from pipeline.workers import EXIT_PREEMPTED
@@ -28,8 +29,13 @@ TWO_PROCESSES = ["train.pretrain.launch=ddp-cpu", "train.pretrain.num_processes=
 
 
 def overrides(runs_dir, *extra) -> list[str]:
-    return ["recipe=ci", f"paths.runs_dir={runs_dir}", f"paths.cache_dir={runs_dir}/cache", "train.pretrain.log_every=1",
-            *extra]
+    return [
+        "recipe=ci",
+        f"paths.runs_dir={runs_dir}",
+        f"paths.cache_dir={runs_dir}/cache",
+        "train.pretrain.log_every=1",
+        *extra,
+    ]
 
 
 def losses(stage_path) -> list[float]:
@@ -39,8 +45,13 @@ def losses(stage_path) -> list[float]:
 
 def start_stage(stage: str, args: list[str], log) -> subprocess.Popen:
     """``python -m pipeline STAGE``, as make and Slurm run it, in a process group of its own (for killpg)."""
-    return subprocess.Popen([sys.executable, "-m", "pipeline", stage, *args], cwd=REPO_ROOT, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline", stage, *args],
+        cwd=REPO_ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def wait_for(condition, child: subprocess.Popen, what: str, timeout: float = 240) -> None:
@@ -97,13 +108,20 @@ def test_no_accelerate_worker_is_left_after_a_kill_9_of_the_stage(tmp_path, smol
 
 
 # each stage's first call (for eval: its backend's), where the SIGTERM comes
-@pytest.mark.parametrize("module, first_call", [
-    (pretrain, "pipeline.stages.pretrain.model_path"), (finetune, "pipeline.stages.finetune.model_path"),
-    (eval_stage, "pipeline.evaluation.transformers_backend.resolve_device"),
-    (export, "pipeline.stages.export.resolve_device"), (distill, "pipeline.stages.distill._run_locked")])
+@pytest.mark.parametrize(
+    "module, first_call",
+    [
+        (pretrain, "pipeline.stages.pretrain.model_path"),
+        (finetune, "pipeline.stages.finetune.model_path"),
+        (eval_stage, "pipeline.evaluation.transformers_backend.resolve_device"),
+        (export, "pipeline.stages.export.resolve_device"),
+        (distill, "pipeline.stages.distill._run_locked"),
+    ],
+)
 def test_sigterm_ends_every_stage_with_exit_75(module, first_call, ci_cfg, tmp_path, monkeypatch):
     """A SIGTERM as soon as the stage starts (Slurm preempts a job still loading its models) ends it with 75,
     the status Slurm scripts and users read as "run the same command again"."""
+
     def terminated(*args, **kwargs):
         signal.raise_signal(signal.SIGTERM)  # its handler runs here, before this returns
 
@@ -123,8 +141,7 @@ def test_sigterm_ends_every_stage_with_exit_75(module, first_call, ci_cfg, tmp_p
 @pytest.mark.slow
 def test_two_ddp_jobs_on_one_node_both_finish(tmp_path, smollm_path):
     """Two 2-process gloo groups at once: each rendezvous on a port of its own, not one fixed port."""
-    runs = {name: overrides(tmp_path / name, *TWO_PROCESSES, "train.pretrain.max_steps=6")
-            for name in ("a", "b")}
+    runs = {name: overrides(tmp_path / name, *TWO_PROCESSES, "train.pretrain.max_steps=6") for name in ("a", "b")}
     logs = {name: (tmp_path / f"{name}.log").open("w+") for name in runs}
     stages = {name: start_stage("pretrain", args, logs[name]) for name, args in runs.items()}
     try:

@@ -4,8 +4,8 @@ and where an answer ends: stop strings by prompt format, stop tokens by name."""
 from __future__ import annotations
 
 import pytest
-
 import standins  # tests/standins.py
+
 from pipeline.config import ConfigError, compose_config
 from pipeline.models.provision import load_tokenizer
 from pipeline.prompts import build_prompt, prompt_ids, stop_strings, stop_token_ids
@@ -29,8 +29,10 @@ def test_every_family_gets_exactly_one_bos(sources, recipe):
     assert text.startswith(tokenizer.bos_token) == template_has_bos
     ids = prompt_ids(text, tokenizer)
     assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
-    assert tokenizer.decode(ids, skip_special_tokens=True).strip() == tokenizer.decode(
-        tokenizer(text, add_special_tokens=False).input_ids, skip_special_tokens=True).strip()
+    assert (
+        tokenizer.decode(ids, skip_special_tokens=True).strip()
+        == tokenizer.decode(tokenizer(text, add_special_tokens=False).input_ids, skip_special_tokens=True).strip()
+    )
 
 
 def test_chat_targets_stop_at_no_string_and_completion_targets_at_a_newline():

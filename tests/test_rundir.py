@@ -29,21 +29,29 @@ def test_paths_are_deterministic_and_follow_the_contract(ci_cfg, runs_dir):
         hashes[stage] = directory.config_hash
     # Every rank and Slurm job is another process, with another PYTHONHASHSEED: each computes the same hashes.
     overrides = ["recipe=ci", f"paths.runs_dir={runs_dir}", f"paths.cache_dir={runs_dir}/cache"]
-    code = ("import json, sys; from pipeline.config import compose_config; from pipeline.rundir import stage_dir; "
-            "cfg = compose_config(json.loads(sys.argv[1])); stages = json.loads(sys.argv[2]); "
-            "print(json.dumps({s: stage_dir(cfg, s, check_inputs=False).config_hash for s in stages}))")
+    code = (
+        "import json, sys; from pipeline.config import compose_config; from pipeline.rundir import stage_dir; "
+        "cfg = compose_config(json.loads(sys.argv[1])); stages = json.loads(sys.argv[2]); "
+        "print(json.dumps({s: stage_dir(cfg, s, check_inputs=False).config_hash for s in stages}))"
+    )
     for seed in ("1", "2"):
-        child = subprocess.run([sys.executable, "-c", code, json.dumps(overrides), json.dumps(list(expected))],
-                               cwd=REPO_ROOT, env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True,
-                               text=True, check=True)
+        child = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(overrides), json.dumps(list(expected))],
+            cwd=REPO_ROOT,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         assert json.loads(child.stdout) == hashes, seed
 
 
 def test_config_hash_is_pinned():
     """The hash of a fixed config: a change to how hashes are computed (key order, serialization, digest)
     would silently orphan every existing run directory."""
-    cfg = OmegaConf.create({"train": {"lr": 0.001, "batch_size": 4, "name": "tiny"},
-                            "lang": {"src": "de", "pair": "de-en"}, "seed": 0})
+    cfg = OmegaConf.create(
+        {"train": {"lr": 0.001, "batch_size": 4, "name": "tiny"}, "lang": {"src": "de", "pair": "de-en"}, "seed": 0}
+    )
     upstream = {"pretrain": "0f0f0f0f0f0f0f0f", "distill": "1234567890abcdef"}
     assert config_hash(cfg, ["train", "seed", "lang.pair"], upstream) == "da3196ef51913afd"
 
@@ -124,11 +132,20 @@ def test_training_hash_ignores_how_often_it_logs_checkpoints_and_how_many_proces
         return {name: stage_dir(cfg, name, check_inputs=False).config_hash for name in ("pretrain", "finetune", "eval")}
 
     reference = hashes()
-    neutral = [f"train.{stage}.log_every=3", f"train.{stage}.save_every=7", f"train.{stage}.resume=never",
-               f"train.{stage}.launch=ddp-cpu", f"train.{stage}.num_processes=2"]
+    neutral = [
+        f"train.{stage}.log_every=3",
+        f"train.{stage}.save_every=7",
+        f"train.{stage}.resume=never",
+        f"train.{stage}.launch=ddp-cpu",
+        f"train.{stage}.num_processes=2",
+    ]
     assert hashes(*neutral) == reference  # nor anything downstream
-    for change in (f"train.{stage}.lr=1e-2", f"train.{stage}.batch_size=8", f"train.{stage}.max_steps=21",
-                   f"train.{stage}.grad_accum=2"):
+    for change in (
+        f"train.{stage}.lr=1e-2",
+        f"train.{stage}.batch_size=8",
+        f"train.{stage}.max_steps=21",
+        f"train.{stage}.grad_accum=2",
+    ):
         assert hashes(change)[stage] != reference[stage], change
         assert hashes(change)["eval"] != reference["eval"], change
 
@@ -160,15 +177,19 @@ def test_finetune_hash_covers_the_on_policy_phase_only_when_it_is_on(runs_dir):
     assert stage_dir(off, "finetune", check_inputs=False).config_hash == finetune
     on = compose_config([*base, "train.finetune.on_policy.enabled=true"])
     on_tv = stage_dir(on, "finetune", check_inputs=False).config_hash
-    on_kl = compose_config([*base, "train.finetune.on_policy.enabled=true", "train.finetune.on_policy.divergence=forward_kl"])
+    on_kl = compose_config(
+        [*base, "train.finetune.on_policy.enabled=true", "train.finetune.on_policy.divergence=forward_kl"]
+    )
     assert len({finetune, on_tv, stage_dir(on_kl, "finetune", check_inputs=False).config_hash}) == 3
 
 
 def test_finetune_hash_covers_the_data_fraction_only_below_one(runs_dir):
     """Finetunes made before data_fraction existed keep their hash at 1; each fraction is its own run."""
     base = ["recipe=ci", f"paths.runs_dir={runs_dir}"]
-    hashes = [stage_dir(compose_config([*base, *extra]), "finetune", check_inputs=False).config_hash
-              for extra in ([], ["train.finetune.data_fraction=1.0"], ["train.finetune.data_fraction=0.5"])]
+    hashes = [
+        stage_dir(compose_config([*base, *extra]), "finetune", check_inputs=False).config_hash
+        for extra in ([], ["train.finetune.data_fraction=1.0"], ["train.finetune.data_fraction=0.5"])
+    ]
     assert hashes[0] == hashes[1] != hashes[2]
 
 
@@ -184,13 +205,15 @@ def test_vllm_eval_of_a_drafter_sits_beside_its_transformers_eval(runs_dir):
 
 def test_make_command_repeats_the_variants_overrides_and_more_in_one_args():
     cfg = compose_config(["recipe=ci", "lang=fr-en", "run=lr-low", "train.finetune.lr=1e-4", "force=true"])
-    assert make_command(cfg, "eval", ("eval.engine=vllm",)) == ("make eval LANG=fr-en RECIPE=ci ARGS='run=lr-low "
-                                                                 "train.finetune.lr=1e-4 eval.engine=vllm'")
+    assert make_command(cfg, "eval", ("eval.engine=vllm",)) == (
+        "make eval LANG=fr-en RECIPE=ci ARGS='run=lr-low train.finetune.lr=1e-4 eval.engine=vllm'"
+    )
     assert make_command(cfg, "distill", ("force=true",)).endswith("train.finetune.lr=1e-4 force=true'")
     # a variant made from it (the benches'): its overrides after the parent's, the last value of a key kept
     variant = with_overrides(cfg, ["run=lr-lower", "train.finetune.lr=1e-5"])
-    assert make_command(variant, "export") == ("make export LANG=fr-en RECIPE=ci ARGS='run=lr-lower "
-                                               "train.finetune.lr=1e-5'")
+    assert make_command(variant, "export") == (
+        "make export LANG=fr-en RECIPE=ci ARGS='run=lr-lower train.finetune.lr=1e-5'"
+    )
     assert make_command(compose_config([]), "pretrain") == "make pretrain"
 
 
@@ -224,8 +247,17 @@ def local_inputs(tmp_path, runs_dir, *extra):
     (target / "model.safetensors").write_bytes(b"weights")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"src": "Guten Morgen, wie geht es dir heute?", "ref": "Good morning, how are you today?"}\n')
-    cfg = compose_config(["recipe=ci", f"paths.runs_dir={runs_dir}", "target.source=local", f"target.path={target}",
-                          "data.sources=file", f"data.source_file={prompts}", *extra])
+    cfg = compose_config(
+        [
+            "recipe=ci",
+            f"paths.runs_dir={runs_dir}",
+            "target.source=local",
+            f"target.path={target}",
+            "data.sources=file",
+            f"data.source_file={prompts}",
+            *extra,
+        ]
+    )
     return cfg, target, prompts
 
 
@@ -243,7 +275,9 @@ def test_changed_prompts_or_target_weights_do_not_reuse_a_complete_stage(tmp_pat
     assert not stage_dir(cfg, "distill").begin(cfg)  # the same contents: skipped
 
     if change == "prompts file":
-        prompts.write_text(prompts.read_text() + '{"src": "Das Wetter ist heute schön.", "ref": "The weather is nice."}\n')
+        prompts.write_text(
+            prompts.read_text() + '{"src": "Das Wetter ist heute schön.", "ref": "The weather is nice."}\n'
+        )
     else:
         (target / "model.safetensors").write_bytes(b"other weights")
     with pytest.raises(StageConflictError, match=f"changed: {change} ") as refused:
@@ -274,8 +308,9 @@ def test_eval_hash_follows_the_contents_of_eval_drafter_path(tmp_path, runs_dir)
 def test_a_distill_resume_refuses_records_of_another_target_revision(tmp_path):
     from pipeline.stages.distill import load_records
 
-    (tmp_path / "attempt-000.jsonl").write_text(json.dumps({"id": "a", "temperature": 0.0, "sample": 0,
-                                                            "revision": "sha256:0123456789abcdef"}) + "\n")
+    (tmp_path / "attempt-000.jsonl").write_text(
+        json.dumps({"id": "a", "temperature": 0.0, "sample": 0, "revision": "sha256:0123456789abcdef"}) + "\n"
+    )
     assert len(load_records(tmp_path, "sha256:0123456789abcdef")) == 1
     with pytest.raises(StageConflictError, match="would mix two models; pass force=true"):
         load_records(tmp_path, "sha256:fedcba9876543210")

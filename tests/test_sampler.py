@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pipeline.models.vocab import VocabMap
-from tests.helpers import assert_follows
 from pipeline.speculative.sampler import Sampling, probabilities, sample, verify, verify_greedy
+from tests.helpers import assert_follows
 
 N = 200_000
 
@@ -131,8 +131,16 @@ def expand(probs: torch.Tensor, vocab_map: VocabMap) -> torch.Tensor:
     return probs.new_zeros((*probs.shape[:-1], vocab_map.target_vocab_size)).index_copy(-1, vocab_map.target_ids, probs)
 
 
-@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.7, top_k=5), Sampling(1.0, top_p=0.8),
-                                      Sampling(1.3, top_k=9, top_p=0.6), Sampling(1.0, top_k=40)])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        Sampling(1.0),
+        Sampling(0.7, top_k=5),
+        Sampling(1.0, top_p=0.8),
+        Sampling(1.3, top_k=9, top_p=0.6),
+        Sampling(1.0, top_k=40),
+    ],
+)
 def test_probabilities_over_a_maps_ids_are_the_expanded_ones(sampling):
     """Temperature, top-k (also wider than the map) and top-p shape a reduced drafter's N logits exactly
     as they shape its logits expanded to the target vocabulary (-inf off the map)."""
@@ -150,11 +158,19 @@ def test_verify_over_a_maps_ids_equals_verify_over_the_expanded_draft():
     vocab = 40
     for trial in range(200):
         batch, k = 8, int(torch.randint(0, 6, (1,), generator=g))
-        vocab_map = VocabMap(torch.randperm(vocab, generator=g)[: int(torch.randint(1, vocab, (1,), generator=g))], vocab)
+        vocab_map = VocabMap(
+            torch.randperm(vocab, generator=g)[: int(torch.randint(1, vocab, (1,), generator=g))], vocab
+        )
         dtype = (torch.float32, torch.float64)[trial % 2]
         target = random_dist(g, (batch, k + 1, vocab), sparsity=float(torch.rand(1, generator=g))).to(dtype)
-        draft = random_dist(g, (batch, k, len(vocab_map.target_ids)), sparsity=float(torch.rand(1, generator=g))).to(dtype)
-        columns = sample(draft.reshape(-1, draft.shape[-1]), g).reshape(batch, k) if k else torch.zeros(batch, 0, dtype=torch.long)
+        draft = random_dist(g, (batch, k, len(vocab_map.target_ids)), sparsity=float(torch.rand(1, generator=g))).to(
+            dtype
+        )
+        columns = (
+            sample(draft.reshape(-1, draft.shape[-1]), g).reshape(batch, k)
+            if k
+            else torch.zeros(batch, 0, dtype=torch.long)
+        )
         drafts = vocab_map.target_ids[columns]
         seed = int(torch.randint(0, 2**31, (1,), generator=g))
         reduced = verify(drafts, draft, target, torch.Generator().manual_seed(seed), vocab_map)

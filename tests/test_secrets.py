@@ -27,8 +27,13 @@ def sentinel(name: str) -> str:
 
 
 def overrides(runs_dir: Path, *extra: str) -> list[str]:
-    return ["recipe=ci", f"paths.runs_dir={runs_dir}", f"paths.cache_dir={REPO_ROOT / 'runs' / 'cache'}",
-            f"paths.models_dir={REPO_ROOT / 'models'}", *extra]
+    return [
+        "recipe=ci",
+        f"paths.runs_dir={runs_dir}",
+        f"paths.cache_dir={REPO_ROOT / 'runs' / 'cache'}",
+        f"paths.models_dir={REPO_ROOT / 'models'}",
+        *extra,
+    ]
 
 
 def readable_by_others(path: Path, root: Path) -> bool:
@@ -47,23 +52,32 @@ def test_a_key_in_the_config_is_refused_without_echoing_it(capsys):
 
 
 @pytest.mark.slow
-def test_no_key_in_any_file_log_or_command_line_and_run_directories_are_private(vllm_server, smollm_path, tmp_path,
-                                                                                  monkeypatch):
+def test_no_key_in_any_file_log_or_command_line_and_run_directories_are_private(
+    vllm_server, smollm_path, tmp_path, monkeypatch
+):
     import wandb
 
     from pipeline.stages import pretrain as pretrain_stage
     from pipeline.training import launch
 
-    keys = {"OPENAI_API_KEY": vllm_server.endpoint.api_key,  # the endpoint's key, as distill.server.url takes it
-            **{name: sentinel(name) for name in ("HF_TOKEN", "WANDB_API_KEY", "VLLM_API_KEY")}}
+    keys = {
+        "OPENAI_API_KEY": vllm_server.endpoint.api_key,  # the endpoint's key, as distill.server.url takes it
+        **{name: sentinel(name) for name in ("HF_TOKEN", "WANDB_API_KEY", "VLLM_API_KEY")},
+    }
     for name, value in keys.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("WANDB_MODE", "offline")
     runs = tmp_path / "runs"
 
     # a distill on the session's server, tracked by wandb (offline: its run files stay in the stage directory)
-    distill_args = overrides(runs, f"distill.server.url={vllm_server.endpoint.url}", "logger=wandb",
-                             "data.max_train_prompts=2", "distill.temperatures=[0.0]", "distill.max_tokens=8")
+    distill_args = overrides(
+        runs,
+        f"distill.server.url={vllm_server.endpoint.url}",
+        "logger=wandb",
+        "data.max_train_prompts=2",
+        "distill.temperatures=[0.0]",
+        "distill.max_tokens=8",
+    )
     assert main(["distill", *distill_args]) == 0
     wandb.teardown()  # the offline run file is written asynchronously
 
@@ -86,18 +100,32 @@ def test_no_key_in_any_file_log_or_command_line_and_run_directories_are_private(
     tmpdir, slurm_log = tmp_path / "tmpdir", tmp_path / "slurm-node1.out"
     tmpdir.mkdir()
     tmpdir.chmod(0o1777)  # shared, as /tmp
-    env = dict(os.environ, SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_NODEID="1", MAIN_PROCESS_IP="256.0.0.1",
-               MAIN_PROCESS_PORT="1", TMPDIR=str(tmpdir))
+    env = dict(
+        os.environ,
+        SLURM_JOB_ID="4242",
+        SLURM_NNODES="2",
+        SLURM_NODEID="1",
+        MAIN_PROCESS_IP="256.0.0.1",
+        MAIN_PROCESS_PORT="1",
+        TMPDIR=str(tmpdir),
+    )
     with slurm_log.open("w") as log:
-        subprocess.run([TRAIN_NODE, "pretrain", *overrides(runs)], cwd=REPO_ROOT, env=env, stdout=log,
-                       stderr=subprocess.STDOUT, timeout=300)
+        subprocess.run(
+            [TRAIN_NODE, "pretrain", *overrides(runs)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=300,
+        )
     node_config = tmpdir / "specdraft-4242-pretrain-node1.yaml"
     assert node_config.exists(), slurm_log.read_text()[-2000:]
     assert not readable_by_others(node_config, tmp_path)
 
     # an export (its README, vLLM form and smoke check), tracked by wandb, of a finetune as `make finetune` leaves it
-    export_args = overrides(tmp_path / "export-runs", "drafter.reduced_vocab=2000", "export.num_prompts=2",
-                            "logger=wandb")
+    export_args = overrides(
+        tmp_path / "export-runs", "drafter.reduced_vocab=2000", "export.num_prompts=2", "logger=wandb"
+    )
     finished_finetune(compose_config(export_args), smollm_path)
     assert main(["export", *export_args]) == 0
     wandb.teardown()
@@ -108,15 +136,26 @@ def test_no_key_in_any_file_log_or_command_line_and_run_directories_are_private(
     assert not {name for name, value in keys.items() for line in lines if value.encode() in line}
 
     written = [path for path in tmp_path.rglob("*") if path.is_file() and not path.is_symlink()]
-    assert {path.relative_to(tmp_path).parts[0] for path in written if path.suffix == ".wandb"} == {"runs", "export-runs"}
+    assert {path.relative_to(tmp_path).parts[0] for path in written if path.suffix == ".wandb"} == {
+        "runs",
+        "export-runs",
+    }
     assert any(path.name == "debug.log" for path in written) and any(path.name == "README.md" for path in written)
-    leaks = {(name, str(path.relative_to(tmp_path))) for path in written for name, value in keys.items()
-             if value.encode() in path.read_bytes()}
+    leaks = {
+        (name, str(path.relative_to(tmp_path)))
+        for path in written
+        for name, value in keys.items()
+        if value.encode() in path.read_bytes()
+    }
     assert not leaks
 
     stage_dirs = [manifest.parent for manifest in tmp_path.rglob(MANIFEST)]
     assert len(stage_dirs) == 6  # distill and pretrain; distill, pretrain, finetune and export
     assert all(stat.S_IMODE(path.stat().st_mode) == 0o700 for path in stage_dirs)
     # all the others can read: the lock beside a stage directory, which names who runs the stage (host, pid, start)
-    assert {path.name for path in written if path.is_relative_to(tmp_path / "export-runs") or path.is_relative_to(runs)
-            if readable_by_others(path, tmp_path)} <= {f".{path.name}.lock" for path in stage_dirs}
+    assert {
+        path.name
+        for path in written
+        if path.is_relative_to(tmp_path / "export-runs") or path.is_relative_to(runs)
+        if readable_by_others(path, tmp_path)
+    } <= {f".{path.name}.lock" for path in stage_dirs}

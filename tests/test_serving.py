@@ -20,9 +20,21 @@ CACHE = REPO_ROOT / "runs" / "cache"
 
 def distill_cli(tmp_path, *overrides):
     return subprocess.run(
-        [sys.executable, "-m", "pipeline", "distill", "recipe=ci", f"paths.runs_dir={tmp_path / 'runs'}",
-         f"paths.cache_dir={CACHE}", f"paths.models_dir={REPO_ROOT / 'models'}", *overrides],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "distill",
+            "recipe=ci",
+            f"paths.runs_dir={tmp_path / 'runs'}",
+            f"paths.cache_dir={CACHE}",
+            f"paths.models_dir={REPO_ROOT / 'models'}",
+            *overrides,
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -55,9 +67,14 @@ def test_one_replica_per_visible_gpu_and_the_eval_dtype_by_default(monkeypatch):
     assert served_dtype(compose_config(["recipe=ci"])) == "bfloat16"  # ci states it: its target config is float32
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     for tensor_parallel, replicas in ((1, 8), (2, 4), (3, 2)):
-        launch = compose_config(["recipe=paper-vicuna", f"distill.server.tensor_parallel={tensor_parallel}"]).distill.server
+        launch = compose_config(
+            ["recipe=paper-vicuna", f"distill.server.tensor_parallel={tensor_parallel}"]
+        ).distill.server
         assert data_parallel_size(launch) == replicas
-    assert data_parallel_size(compose_config(["recipe=paper-vicuna", "distill.server.data_parallel=3"]).distill.server) == 3
+    assert (
+        data_parallel_size(compose_config(["recipe=paper-vicuna", "distill.server.data_parallel=3"]).distill.server)
+        == 3
+    )
 
 
 def test_transient_causes_are_those_a_rerun_can_fix():
@@ -87,8 +104,19 @@ def test_client_sends_the_prompt_ids_with_explicit_sampling(vllm_server, smollm_
     cfg = compose_config([f"recipe={recipe}"])
     tokenizer = load_tokenizer(smollm_path)
     ids = prompt_ids(build_prompt(cfg.target, cfg.lang, "Guten Morgen!", tokenizer), tokenizer)
-    client = TargetClient(vllm_server.endpoint, stop=stop_strings(cfg.target), stop_token_ids=[], max_tokens=16,
-                          top_p=0.5, top_k=5, top_logprobs=3, timeout_s=60, max_retries=1, model="smollm2-135m", connections=1)
+    client = TargetClient(
+        vllm_server.endpoint,
+        stop=stop_strings(cfg.target),
+        stop_token_ids=[],
+        max_tokens=16,
+        top_p=0.5,
+        top_k=5,
+        top_logprobs=3,
+        timeout_s=60,
+        max_retries=1,
+        model="smollm2-135m",
+        connections=1,
+    )
 
     async def ask():
         try:
@@ -113,8 +141,7 @@ def test_a_stop_token_ends_the_answer_and_finetuning_trains_on_it(vllm_server, s
     """target.stop_tokens (Gemma's <end_of_turn>) reach vLLM as stop_token_ids; the record's ids end with the
     token, and a record without ids (another endpoint) gets it back from its stop_reason."""
     from pipeline.models.provision import load_tokenizer
-    from pipeline.prompts import build_prompt, prompt_ids
-    from pipeline.prompts import IGNORE
+    from pipeline.prompts import IGNORE, build_prompt, prompt_ids
     from pipeline.training.data import record_example
 
     cfg = compose_config(["recipe=ci"])
@@ -123,22 +150,40 @@ def test_a_stop_token_ends_the_answer_and_finetuning_trains_on_it(vllm_server, s
     ids = prompt_ids(prompt, tokenizer)
 
     def ask(stop_token_ids):
-        client = TargetClient(vllm_server.endpoint, stop=[], stop_token_ids=stop_token_ids, max_tokens=8, top_p=1.0,
-                              top_k=0, top_logprobs=0, timeout_s=60, max_retries=1, model="smollm2-135m", connections=1)
+        client = TargetClient(
+            vllm_server.endpoint,
+            stop=[],
+            stop_token_ids=stop_token_ids,
+            max_tokens=8,
+            top_p=1.0,
+            top_k=0,
+            top_logprobs=0,
+            timeout_s=60,
+            max_retries=1,
+            model="smollm2-135m",
+            connections=1,
+        )
 
         async def one():
             try:
                 return await client.complete(ids, 0.0, seed=1)
             finally:
                 await client.close()
+
         return asyncio.run(one())
 
     free = ask([])
     stop_id = free.token_ids[1]
     stopped = ask([stop_id])
     assert (stopped.finish_reason, stopped.stop_reason, stopped.token_ids) == ("stop", stop_id, free.token_ids[:2])
-    record = {"prompt": prompt, "response": stopped.text, "finish_reason": "stop", "stop_reason": stopped.stop_reason,
-              "prompt_token_ids": stopped.prompt_token_ids, "token_ids": stopped.token_ids}
+    record = {
+        "prompt": prompt,
+        "response": stopped.text,
+        "finish_reason": "stop",
+        "stop_reason": stopped.stop_reason,
+        "prompt_token_ids": stopped.prompt_token_ids,
+        "token_ids": stopped.token_ids,
+    }
     served = record_example(record, tokenizer, 4096)
     assert served["input_ids"] == ids + free.token_ids[:2] and served["labels"][len(ids) - 1] == IGNORE
     without_ids = record_example({k: v for k, v in record.items() if not k.endswith("token_ids")}, tokenizer, 4096)
@@ -188,8 +233,14 @@ def test_a_squatter_on_the_port_is_never_taken_for_our_server_nor_sent_the_key(s
     threading.Thread(target=squatter.serve_forever, daemon=True).start()
     port = squatter.server_address[1]
     try:
-        with VLLMServer(smollm_path, "smollm2-135m", tmp_path / "log", REPO_ROOT / "runs" / "cache" / "vllm",
-                        port=port, max_model_len=512) as server:
+        with VLLMServer(
+            smollm_path,
+            "smollm2-135m",
+            tmp_path / "log",
+            REPO_ROOT / "runs" / "cache" / "vllm",
+            port=port,
+            max_model_len=512,
+        ) as server:
             assert server.port != port
     finally:
         squatter.shutdown()

@@ -68,8 +68,10 @@ class Cluster:
 
     def daemon_logs(self) -> str:
         """The end of slurmctld's and every slurmd's log: why Slurm failed a job that printed nothing."""
-        return "\n".join(f"== {p.name}\n" + "\n".join(p.read_text().splitlines()[-15:])
-                         for p in sorted((self.directory / "log").glob("slurm*.log")))
+        return "\n".join(
+            f"== {p.name}\n" + "\n".join(p.read_text().splitlines()[-15:])
+            for p in sorted((self.directory / "log").glob("slurm*.log"))
+        )
 
     def wait_until_idle(self, timeout_s: float, log_dir: Path) -> None:
         deadline = time.monotonic() + timeout_s
@@ -85,8 +87,10 @@ class Cluster:
 def cluster(tmp_path_factory):
     missing = [tool for tool in ("munged", "slurmctld", "slurmd", "sbatch", "pgrep") if shutil.which(tool) is None]
     if missing or os.geteuid() != 0:
-        reason = (f"needs root and Slurm ({', '.join(missing)} missing): "
-                  "apt-get install munge slurmctld slurmd slurm-client procps, as .ci/run does")
+        reason = (
+            f"needs root and Slurm ({', '.join(missing)} missing): "
+            "apt-get install munge slurmctld slurmd slurm-client procps, as .ci/run does"
+        )
         if os.environ.get("SPECDRAFT_REQUIRE_SLURM"):  # CI: a skipped Slurm test would hide a broken install
             pytest.fail(reason)
         pytest.skip(reason)
@@ -118,10 +122,17 @@ def chain(cluster, tmp_path_factory):
     work = tmp_path_factory.mktemp("chain")
     runs_dir, log_dir = work / "runs", work / "logs"
     # Smaller than the ci recipe where only the machinery is under test; pretrain checkpoints every 2 steps.
-    overrides = ["logger=none", "data.max_train_prompts=12", "train.pretrain.save_every=2",
-                 "eval.num_prompts=2", "eval.methods=[target,speculative]", "eval.k_sweep=[4]"]
-    ids = cluster.submit("--recipe", "ci", "--langs", "de-en", "--log-dir", str(log_dir),
-                         f"paths.runs_dir={runs_dir}", *overrides)
+    overrides = [
+        "logger=none",
+        "data.max_train_prompts=12",
+        "train.pretrain.save_every=2",
+        "eval.num_prompts=2",
+        "eval.methods=[target,speculative]",
+        "eval.k_sweep=[4]",
+    ]
+    ids = cluster.submit(
+        "--recipe", "ci", "--langs", "de-en", "--log-dir", str(log_dir), f"paths.runs_dir={runs_dir}", *overrides
+    )
     cfg = ci_config(runs_dir, "de-en", overrides)
     pretrain_log = log_dir / f"pretrain-{ids['pretrain']}.out"
     checkpoints = stage_dir(cfg, "pretrain", check_inputs=False).path / "checkpoints"
@@ -143,7 +154,8 @@ def test_chain_runs_every_stage_in_dependency_order(cluster, chain):
     for stage, job in jobs.items():
         log = next(log_dir.glob(f"{stage}-{ids[stage]}*.out"))
         assert job["JobState"] == "COMPLETED", (
-            f"{stage}: {job['JobState']}\n{log.read_text()[-2000:]}\n{cluster.daemon_logs()}")
+            f"{stage}: {job['JobState']}\n{log.read_text()[-2000:]}\n{cluster.daemon_logs()}"
+        )
         assert "lang=de-en" in log.read_text()
     # ISO timestamps compare as strings; a job starts no earlier than the jobs it depends on end.
     assert jobs["distill"]["EndTime"] <= jobs["finetune"]["StartTime"]
@@ -177,15 +189,21 @@ def test_failed_stage_cancels_only_its_dependents(cluster, chain):
     manifest = json.dumps({"stage": "distill", "config_hash": "0123456789abcdef"})
     (foreign / MANIFEST).write_text(manifest)
     log_dir = chain["log_dir"].parent / "logs-failure"
-    ids = cluster.submit("--recipe", "ci", "--langs", "de-en fr-en", "--log-dir", str(log_dir),
-                         f"paths.runs_dir={runs_dir}", *overrides)
+    ids = cluster.submit(
+        "--recipe", "ci", "--langs", "de-en fr-en", "--log-dir", str(log_dir), f"paths.runs_dir={runs_dir}", *overrides
+    )
     cluster.wait_until_idle(CHAIN_TIMEOUT_S, log_dir)
 
-    states = {(stage, index): cluster.task(ids[stage], index)
-              for stage in ("distill", "finetune", "eval") for index in (0, 1)}
+    states = {
+        (stage, index): cluster.task(ids[stage], index) for stage in ("distill", "finetune", "eval") for index in (0, 1)
+    }
     assert {key: job["JobState"] for key, job in states.items()} == {
-        ("distill", 0): "COMPLETED", ("finetune", 0): "COMPLETED", ("eval", 0): "COMPLETED",
-        ("distill", 1): "FAILED", ("finetune", 1): "CANCELLED", ("eval", 1): "CANCELLED",
+        ("distill", 0): "COMPLETED",
+        ("finetune", 0): "COMPLETED",
+        ("eval", 0): "COMPLETED",
+        ("distill", 1): "FAILED",
+        ("finetune", 1): "CANCELLED",
+        ("eval", 1): "CANCELLED",
     }
     assert states[("finetune", 1)]["Reason"] == states[("eval", 1)]["Reason"] == "DependencyNeverSatisfied"
     assert cluster.task(ids["pretrain"])["JobState"] == "COMPLETED"
@@ -203,9 +221,20 @@ def test_submit_rejects_a_bad_override_before_submitting_anything(cluster, tmp_p
 def test_refused_job_leaves_no_half_submitted_chain(cluster, tmp_path):
     """Two training nodes on a one-node cluster: sbatch refuses pretrain at once (EnforcePartLimits=ALL)
     instead of queueing it forever, and submit.sh cancels the distill job it had already submitted."""
-    multi_node = [f"train.{stage}.{key}" for stage in ("pretrain", "finetune") for key in ("launch=ddp", "num_processes=2")]
-    done = cluster.try_run(SUBMIT, "--recipe", "ci", "--train-nodes", "2", "--log-dir", str(tmp_path),
-                           f"paths.runs_dir={tmp_path}", *multi_node)
+    multi_node = [
+        f"train.{stage}.{key}" for stage in ("pretrain", "finetune") for key in ("launch=ddp", "num_processes=2")
+    ]
+    done = cluster.try_run(
+        SUBMIT,
+        "--recipe",
+        "ci",
+        "--train-nodes",
+        "2",
+        "--log-dir",
+        str(tmp_path),
+        f"paths.runs_dir={tmp_path}",
+        *multi_node,
+    )
     assert done.returncode == 2, done.stderr
     distill = done.stdout.strip().removeprefix("distill=")
     assert done.stdout.split("=")[0] == "distill" and "sbatch refused the pretrain job" in done.stderr
@@ -221,8 +250,10 @@ def submit_dry_run(*args: str, env: dict[str, str] | None = None) -> subprocess.
 def test_a_gpu_recipe_is_refused_without_gpus_in_one_line():
     done = submit_dry_run("--recipe", "paper-vicuna", "--gpus-per-node", "0")
     assert (done.returncode, done.stdout) == (2, "")
-    assert done.stderr == ("error: recipe paper-vicuna needs GPUs (needs_gpu: true) but --gpus-per-node is 0: "
-                           "pass --gpus-per-node N (a node's GPUs, e.g. 8)\n")
+    assert done.stderr == (
+        "error: recipe paper-vicuna needs GPUs (needs_gpu: true) but --gpus-per-node is 0: "
+        "pass --gpus-per-node N (a node's GPUs, e.g. 8)\n"
+    )
 
 
 def test_gpu_jobs_ask_for_each_gpus_cpu_and_memory_share_and_eval_is_not_exclusive():
@@ -233,7 +264,9 @@ def test_gpu_jobs_ask_for_each_gpus_cpu_and_memory_share_and_eval_is_not_exclusi
     for line in lines:
         assert " --cpus-per-task=64 --mem=512G --gpus-per-node=8 " in line and "--exclusive" not in line, line
     assert "--dependency=aftercorr:DISTILL_JOB,afterok:PRETRAIN_JOB" in lines[2]
-    override = submit_dry_run("--recipe", "paper-vicuna", "--gpus-per-node", "4", "--cpus", "20", "--mem-per-gpu", "100G")
+    override = submit_dry_run(
+        "--recipe", "paper-vicuna", "--gpus-per-node", "4", "--cpus", "20", "--mem-per-gpu", "100G"
+    )
     assert " --cpus-per-task=20 --mem=400G --gpus-per-node=4 " in override.stdout, override.stderr
 
 
@@ -245,12 +278,18 @@ def test_gpu_jobs_are_refused_while_the_venv_is_a_cpu_build(tmp_path):
     (venv / "pyvenv.cfg").write_text(f"home = {Path(os.path.realpath(sys.executable)).parent}\n")
     (venv / ".installed-cpu-dev").touch()
     sbatch = tmp_path / "sbatch"  # must never be called
-    sbatch.write_text("#!/bin/sh\ntouch \"$0.called\"\nexit 99\n")
+    sbatch.write_text('#!/bin/sh\ntouch "$0.called"\nexit 99\n')
     sbatch.chmod(0o755)
-    env = {**os.environ, "SPECDRAFT_PYTHON": str(venv / "bin" / "python"), "PATH": f"{tmp_path}:{os.environ['PATH']}",
-           "PYTHONPATH": f"{REPO_ROOT}:{sysconfig.get_paths()['purelib']}", "LANG": "C.UTF-8"}
-    done = subprocess.run([SUBMIT, "--recipe", "ci", "--gpus-per-node", "8"], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True)
+    env = {
+        **os.environ,
+        "SPECDRAFT_PYTHON": str(venv / "bin" / "python"),
+        "PATH": f"{tmp_path}:{os.environ['PATH']}",
+        "PYTHONPATH": f"{REPO_ROOT}:{sysconfig.get_paths()['purelib']}",
+        "LANG": "C.UTF-8",
+    }
+    done = subprocess.run(
+        [SUBMIT, "--recipe", "ci", "--gpus-per-node", "8"], cwd=REPO_ROOT, env=env, capture_output=True, text=True
+    )
     assert (done.returncode, done.stdout) == (2, ""), done.stderr
     assert done.stderr.startswith(f"error: {venv} is a CPU build (cpu-dev") and len(done.stderr.splitlines()) == 1
     assert done.stderr.rstrip().endswith("make install EXTRAS=gpu,dev") and not Path(f"{sbatch}.called").exists()
@@ -260,29 +299,63 @@ def test_distill_shards_make_pairs_times_shards_tasks_that_finetune_waits_for_wh
     """Submitted held: the arrays and dependencies as Slurm records them; then each distill task's pair and
     shard as slurm/distill.sbatch computes them (its python an echo)."""
     env = {**cluster.env, "SBATCH_HOLD": "1"}
-    done = subprocess.run([SUBMIT, "--recipe", "ci", "--langs", "de-en fr-en", "--distill-shards", "2",
-                           "--log-dir", str(tmp_path), f"paths.runs_dir={tmp_path}"], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            SUBMIT,
+            "--recipe",
+            "ci",
+            "--langs",
+            "de-en fr-en",
+            "--distill-shards",
+            "2",
+            "--log-dir",
+            str(tmp_path),
+            f"paths.runs_dir={tmp_path}",
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     ids = dict(line.split("=", 1) for line in done.stdout.split())
     try:
         # The arrays' tasks and dependencies as Slurm records them.
         assert cluster.array_tasks(ids["distill"]) == {0, 1, 2, 3}
         assert cluster.array_tasks(ids["finetune"]) == {0, 1}
-        assert all(task["Dependency"].startswith(f"afterok:{ids['distill']}_*") for task in cluster.tasks(ids["finetune"]))
-        assert all(task["Dependency"].startswith(f"aftercorr:{ids['finetune']}_*") for task in cluster.tasks(ids["eval"]))
+        assert all(
+            task["Dependency"].startswith(f"afterok:{ids['distill']}_*") for task in cluster.tasks(ids["finetune"])
+        )
+        assert all(
+            task["Dependency"].startswith(f"aftercorr:{ids['finetune']}_*") for task in cluster.tasks(ids["eval"])
+        )
     finally:
         cluster.run("scancel", *ids.values())
         cluster.wait_until_idle(60, tmp_path)
     echo = tmp_path / "python"
-    echo.write_text("#!/bin/sh\necho \"$@\"\n")
+    echo.write_text('#!/bin/sh\necho "$@"\n')
     echo.chmod(0o755)
     answered = []
     for task in range(4):
-        task_env = {**os.environ, "SLURM_ARRAY_TASK_ID": str(task), "LANG_PAIRS": "de-en fr-en", "PAIR_TASKS": "2",
-                    "SPECDRAFT_PYTHON": str(echo)}
-        out = subprocess.run([str(SLURM_DIR / "distill.sbatch"), "recipe=ci", "distill.num_shards=2"], cwd=REPO_ROOT,
-                             env=task_env, capture_output=True, text=True, check=True).stdout
+        task_env = {
+            **os.environ,
+            "SLURM_ARRAY_TASK_ID": str(task),
+            "LANG_PAIRS": "de-en fr-en",
+            "PAIR_TASKS": "2",
+            "SPECDRAFT_PYTHON": str(echo),
+        }
+        out = subprocess.run(
+            [str(SLURM_DIR / "distill.sbatch"), "recipe=ci", "distill.num_shards=2"],
+            cwd=REPO_ROOT,
+            env=task_env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         answered.append(out.splitlines()[-1].split()[-2:])
-    assert answered == [["lang=de-en", "distill.shard=0"], ["lang=de-en", "distill.shard=1"],
-                        ["lang=fr-en", "distill.shard=0"], ["lang=fr-en", "distill.shard=1"]]
+    assert answered == [
+        ["lang=de-en", "distill.shard=0"],
+        ["lang=de-en", "distill.shard=1"],
+        ["lang=fr-en", "distill.shard=0"],
+        ["lang=fr-en", "distill.shard=1"],
+    ]

@@ -30,9 +30,18 @@ def test_offline_sources_are_in_the_source_language(pair):
 
 def test_prepare_command_reports_counts(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline", "prepare", "recipe=ci", f"paths.cache_dir={CACHE}",
-         f"paths.models_dir={REPO_ROOT / 'models'}"],
-        cwd=REPO_ROOT, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "prepare",
+            "recipe=ci",
+            f"paths.cache_dir={CACHE}",
+            f"paths.models_dir={REPO_ROOT / 'models'}",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stderr
     assert "de-en sources: 24 train prompts, 8 held out" in result.stdout

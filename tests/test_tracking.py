@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import wandb
+from wandb_files import read_offline_run
 
 from pipeline.config import compose_config
 from pipeline.tracking import RUN_ID_FILE, stage_tracker
-from wandb_files import read_offline_run
 
 
 def test_wandb_offline_run_is_written_and_resumable(tmp_path, monkeypatch):

@@ -20,9 +20,8 @@ from pipeline.config import REPO_ROOT, compose_config
 from pipeline.models.drafter import build_drafter
 from pipeline.models.provision import load_model, load_tokenizer
 from pipeline.models.vocab import VocabMap
-from pipeline.prompts import build_prompt
+from pipeline.prompts import IGNORE, build_prompt
 from pipeline.rundir import MARKER, stage_dir
-from pipeline.prompts import IGNORE
 from pipeline.training.data import Collator, TokenStrings, finetune_examples, read_records
 from pipeline.training.launch import read_metrics
 from pipeline.training.loop import latest_checkpoint
@@ -31,9 +30,14 @@ from pipeline.workers import EXIT_PREEMPTED
 pytestmark = pytest.mark.slow
 
 PRETRAIN = ["train.pretrain.log_every=1"]
-ON_POLICY = ["train.finetune.log_every=1", "train.finetune.on_policy.enabled=true", "train.finetune.on_policy.rounds=2",
-             "train.finetune.on_policy.steps_per_round=3", "train.finetune.on_policy.batch_size=4",
-             "train.finetune.on_policy.heldout_prompts=2"]
+ON_POLICY = [
+    "train.finetune.log_every=1",
+    "train.finetune.on_policy.enabled=true",
+    "train.finetune.on_policy.rounds=2",
+    "train.finetune.on_policy.steps_per_round=3",
+    "train.finetune.on_policy.batch_size=4",
+    "train.finetune.on_policy.heldout_prompts=2",
+]
 TWO_PROCESSES = ["train.pretrain.launch=ddp-cpu", "train.pretrain.num_processes=2"]  # a real 2-rank gloo group
 
 # German sources and English translations, as the target's distilled answers (real text).
@@ -88,10 +92,20 @@ def distilled(pretrained, smollm_path):
             for temperature in (0.0, 1.0):
                 prompt = build_prompt(cfg.target, cfg.lang, src, tokenizer)
                 finish_reason, stop_reason = endings[i % 3]
-                record = {"id": f"s{i}", "temperature": temperature, "sample": 0, "prompt": prompt, "response": ref,
-                          "finish_reason": finish_reason, "stop_reason": stop_reason,
-                          "prompt_tokens": len(tokenizer(prompt).input_ids), "completion_tokens": 12, "seed": 0,
-                          "model": cfg.target.name, "revision": None}
+                record = {
+                    "id": f"s{i}",
+                    "temperature": temperature,
+                    "sample": 0,
+                    "prompt": prompt,
+                    "response": ref,
+                    "finish_reason": finish_reason,
+                    "stop_reason": stop_reason,
+                    "prompt_tokens": len(tokenizer(prompt).input_ids),
+                    "completion_tokens": 12,
+                    "seed": 0,
+                    "model": cfg.target.name,
+                    "revision": None,
+                }
                 record["top_logprobs"] = top_logprobs(target, tokenizer, prompt, ref)
                 out.write(json.dumps(record) + "\n")
     directory.finish(cfg, {"records": 2 * len(TRANSLATIONS)})
@@ -104,8 +118,10 @@ def top_logprobs(target, tokenizer, prompt: str, response: str, k: int = 5) -> l
     start = len(tokenizer(prompt).input_ids)
     with torch.no_grad():
         logprobs = torch.log_softmax(target(input_ids=ids).logits[0], -1)
-    return [{tokenizer.decode([int(i)]): float(logprobs[t, i]) for i in logprobs[t].topk(k).indices}
-            for t in range(start - 1, ids.shape[1] - 1)]
+    return [
+        {tokenizer.decode([int(i)]): float(logprobs[t, i]) for i in logprobs[t].topk(k).indices}
+        for t in range(start - 1, ids.shape[1] - 1)
+    ]
 
 
 def test_pretrain_writes_a_drafter_and_its_loss_falls(pretrained):
@@ -156,9 +172,14 @@ def start_stage(stage: str, args: list[str], output):
     """The stage as its own process (``python -m pipeline``), as make and Slurm run it. SIGINT at its
     default, as a terminal's shell leaves it: a shell without job control (CI's) starts background jobs
     with SIGINT ignored, and children inherit that."""
-    return subprocess.Popen([sys.executable, "-m", "pipeline", stage, *args], cwd=REPO_ROOT, stdout=output,
-                            stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline", stage, *args],
+        cwd=REPO_ROOT,
+        stdout=output,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def signal_after(child, path, steps: int, signum: int = signal.SIGTERM) -> int:
@@ -224,7 +245,9 @@ def test_deepspeed_zero2_on_cpu_shards_its_state_and_resumes_a_preempted_run(two
     assert json.loads((checkpoint / "step.json").read_text())["deepspeed"] is True, log
     # ZeRO-2: the optimizer state is partitioned, one shard per rank.
     assert sorted(p.name for p in (checkpoint / "pytorch_model").glob("zero_pp_rank_*_optim_states.pt")) == [
-        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
 
     assert cli(["pretrain", *args]) == 0  # resume=auto, the same launch
     assert len((path / "metrics.jsonl").read_text().splitlines()) == 20  # no step trained twice
@@ -243,8 +266,13 @@ def test_a_full_disk_during_a_deepspeed_sharded_save_is_one_line_and_the_rerun_r
     is whole, the workers get a 4 MiB file size limit (a full disk, a quota): the next save fails, the stage ends in
     one line naming the fix and the checkpoint it resumes from, which stays whole; a rerun with room resumes from it
     to the uninterrupted run's losses."""
-    args = overrides(tmp_path, *PRETRAIN, "train.pretrain.launch=deepspeed-zero2", "train.pretrain.num_processes=2",
-                     "train.pretrain.save_every=5")
+    args = overrides(
+        tmp_path,
+        *PRETRAIN,
+        "train.pretrain.launch=deepspeed-zero2",
+        "train.pretrain.num_processes=2",
+        "train.pretrain.save_every=5",
+    )
     path = stage_dir(compose_config(args), "pretrain").path
     first = path / "checkpoints" / "step-00000005"
     with (tmp_path / "stage.log").open("w+") as output:
@@ -296,13 +324,16 @@ def test_finetune_from_pretrain_on_distilled_records(distilled):
     curve = losses(path)
     assert len(curve) == 20 and sum(curve[-3:]) / 3 < curve[0] - 0.3, curve  # as pretraining's: over the run
     drafter = AutoModelForCausalLM.from_pretrained(path / "drafter")
-    pretrained_drafter = AutoModelForCausalLM.from_pretrained(stage_dir(compose_config(args), "pretrain").path / "drafter")
+    pretrained_drafter = AutoModelForCausalLM.from_pretrained(
+        stage_dir(compose_config(args), "pretrain").path / "drafter"
+    )
     assert not torch.equal(drafter.lm_head.weight, pretrained_drafter.lm_head.weight)  # it learned from there
 
 
 def test_finetune_only_with_a_reduced_vocabulary(distilled):
-    args = overrides(distilled, "train.finetune.mode=finetune_only", "drafter.name=tiny-ci-r512",
-                     "drafter.reduced_vocab=512")
+    args = overrides(
+        distilled, "train.finetune.mode=finetune_only", "drafter.name=tiny-ci-r512", "drafter.reduced_vocab=512"
+    )
     assert cli(["finetune", *args]) == 0
     path = stage_dir(compose_config(args), "finetune").path
     vocab = VocabMap.load(path / "drafter")
@@ -311,8 +342,11 @@ def test_finetune_only_with_a_reduced_vocabulary(distilled):
     assert counts["drafter_vocab"] == 513 and counts["label_coverage"] == 1.0  # 512 ids cover these records
 
 
-PARALLEL = ["train.finetune.log_every=1", "train.finetune.parallel_draft.enabled=true",
-            "train.finetune.parallel_draft.k=4"]
+PARALLEL = [
+    "train.finetune.log_every=1",
+    "train.finetune.parallel_draft.enabled=true",
+    "train.finetune.parallel_draft.k=4",
+]
 
 
 def test_parallel_draft_finetune_logs_each_offset_and_resumes_to_the_uninterrupted_run(distilled, tmp_path):
@@ -333,7 +367,8 @@ def test_parallel_draft_finetune_logs_each_offset_and_resumes_to_the_uninterrupt
     assert cli(["finetune", *args]) == 0
     keys = ("loss", "loss_offset_1", "loss_offset_2", "loss_offset_3", "loss_offset_4")
     assert {step: [m[key] for key in keys] for step, m in read_metrics(path).items()} == {
-        step: [m[key] for key in keys] for step, m in metrics.items()}
+        step: [m[key] for key in keys] for step, m in metrics.items()
+    }
     ours, theirs = (load_file(p / "drafter" / "model.safetensors") for p in (path, reference))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
@@ -341,14 +376,27 @@ def test_parallel_draft_finetune_logs_each_offset_and_resumes_to_the_uninterrupt
 def test_parallel_draft_finetune_of_a_reduced_vocabulary_with_kd_serves_the_eval_stage(distilled, capsys):
     """F-only, a reduced vocabulary (its mask: a drafter id of its own, N + 1) and KD to the target's top-k; the
     eval stage drafts K tokens per forward with it, exactly at T=0, and measures a round's drafting cost."""
-    args = overrides(distilled, "train.finetune.mode=finetune_only", "drafter.name=tiny-ci-r512",
-                     "drafter.reduced_vocab=512", "train.finetune.loss=kd_forward_kl", "run=parallel-kd", *PARALLEL)
+    args = overrides(
+        distilled,
+        "train.finetune.mode=finetune_only",
+        "drafter.name=tiny-ci-r512",
+        "drafter.reduced_vocab=512",
+        "train.finetune.loss=kd_forward_kl",
+        "run=parallel-kd",
+        *PARALLEL,
+    )
     assert cli(["finetune", *args]) == 0
     path = stage_dir(compose_config(args), "finetune").path
     drafter = AutoModelForCausalLM.from_pretrained(path / "drafter")
     assert (drafter.config.vocab_size, drafter.config.pard_token, drafter.config.pard_k) == (514, 513, 4)
-    eval_args = [*args, "eval.temperatures=[0.0]", "eval.num_prompts=2", "eval.methods=[target,speculative]",
-                 "eval.k_sweep=[2]", "eval.seeds=[0]"]
+    eval_args = [
+        *args,
+        "eval.temperatures=[0.0]",
+        "eval.num_prompts=2",
+        "eval.methods=[target,speculative]",
+        "eval.k_sweep=[2]",
+        "eval.seeds=[0]",
+    ]
     assert cli(["eval", *eval_args]) == 0
     metrics = json.loads((stage_dir(compose_config(eval_args), "eval").path / "metrics.json").read_text())
     assert metrics["lossless"]["exact"] == metrics["lossless"]["outputs_checked"] > 0
@@ -363,8 +411,9 @@ def first_batch_losses(cfg, target_path: str) -> tuple[float, float]:
     mean forward KL(p || q) to the target's renormalised top-k p (CE where the top-k is unknown), and plain CE."""
     tc = cfg.train.finetune
     tokenizer = load_tokenizer(target_path)
-    examples = finetune_examples(read_records(stage_dir(cfg, "distill").path / "records"), tokenizer, tc.max_length,
-                                 TokenStrings(tokenizer))
+    examples = finetune_examples(
+        read_records(stage_dir(cfg, "distill").path / "records"), tokenizer, tc.max_length, TokenStrings(tokenizer)
+    )
     assert cfg.drafter.reduced_vocab is None and tc.grad_accum == 1
     model, _ = build_drafter(cfg.drafter, target_path, None, cfg.seed)  # the stage's init, seeded alike
     first = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed))[: tc.batch_size]
@@ -387,8 +436,13 @@ def first_batch_losses(cfg, target_path: str) -> tuple[float, float]:
 
 
 def test_finetune_with_a_kd_loss_on_the_targets_top_k(distilled, smollm_path):
-    args = overrides(distilled, "train.finetune.mode=finetune_only", "drafter.name=tiny-ci-kd",
-                     "train.finetune.loss=kd_forward_kl", "train.finetune.log_every=1")
+    args = overrides(
+        distilled,
+        "train.finetune.mode=finetune_only",
+        "drafter.name=tiny-ci-kd",
+        "train.finetune.loss=kd_forward_kl",
+        "train.finetune.log_every=1",
+    )
     assert cli(["finetune", *args]) == 0
     path = stage_dir(compose_config(args), "finetune").path
     counts = json.loads((path / "manifest.json").read_text())["counts"]
@@ -403,7 +457,9 @@ def test_finetune_with_a_kd_loss_on_the_targets_top_k(distilled, smollm_path):
 @pytest.mark.parametrize("launch", [[], TWO_PROCESSES])
 def test_drafter_with_another_tokenizer_is_refused_before_any_compute(gemma_path, tmp_path, capsys, launch):
     """The stage's own process checks, before it tokenizes anything or starts a training process."""
-    args = overrides(tmp_path, "drafter.source=local", f"drafter.path={gemma_path}", "drafter.name=gemma-as-drafter", *launch)
+    args = overrides(
+        tmp_path, "drafter.source=local", f"drafter.path={gemma_path}", "drafter.name=gemma-as-drafter", *launch
+    )
     assert cli(["pretrain", *args]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("error: gemma-as-drafter's tokenizer is not the target's") and "\n" not in error
@@ -431,15 +487,19 @@ def test_user_error_inside_an_accelerate_worker_ends_the_stage_in_one_line(tmp_p
 def test_pretrain_reads_its_token_budget_with_c4_going_on_after_sharegpt(tmp_path, monkeypatch):
     """The acceptance of issue 27: a token budget over C4 (a local stand-in) and a ShareGPT that runs out first."""
     from standins import datasets_root
-    from tests.helpers import short_sharegpt
 
     from pipeline.training import data
+    from tests.helpers import short_sharegpt
 
     monkeypatch.setattr(data, "iter_conversations", short_sharegpt(4))
     c4 = datasets_root(tmp_path / "data")["c4"]
     corpora = f"[{{name:c4,weight:0.5,hub_dataset:'{c4}',hub_subset:en}},{{name:sharegpt,weight:0.5}}]"
-    args = overrides(tmp_path, f"data.pretrain_corpora={corpora}", "train.pretrain.token_budget=2560",
-                     "train.pretrain.max_steps=null")
+    args = overrides(
+        tmp_path,
+        f"data.pretrain_corpora={corpora}",
+        "train.pretrain.token_budget=2560",
+        "train.pretrain.max_steps=null",
+    )
     assert cli(["pretrain", *args]) == 0
     counts = json.loads((stage_dir(compose_config(args), "pretrain").path / "manifest.json").read_text())["counts"]
     assert counts["tokens"] == 2560 and counts["steps"] == 2560 // (4 * 128)  # the budget, read and trained on
@@ -476,8 +536,10 @@ def test_finetune_with_on_policy_alignment_after_sft(distilled):
     assert [s for s in metrics if "on_policy/heldout_t0_agreement" in metrics[s]] == [23, 26]
     assert latest_checkpoint(path / "on_policy").name == "step-00000006"
     assert (path / "drafter").exists()
-    assert stage_dir(compose_config(overrides(distilled)), "finetune").config_hash != stage_dir(
-        compose_config(args), "finetune").config_hash  # the phase is part of the result
+    assert (
+        stage_dir(compose_config(overrides(distilled)), "finetune").config_hash
+        != stage_dir(compose_config(args), "finetune").config_hash
+    )  # the phase is part of the result
 
 
 def test_finetune_preempted_in_the_on_policy_phase_resumes_to_the_uninterrupted_run(distilled, tmp_path):
@@ -500,26 +562,46 @@ def test_finetune_preempted_in_the_on_policy_phase_resumes_to_the_uninterrupted_
 def test_scaling_finetunes_nested_fractions_and_fits_acceptance_against_data(distilled, capsys):
     """`specdraft scaling` on the ci recipe: a finetune per series and fraction (on-policy too), the pretrained
     drafter as baseline, an anchor through the eval stage, scaling.json/png, and a rerun that only reads it."""
-    args = overrides(distilled, "scaling.fractions=[0.5,1]", "scaling.series=[pf,f_only,pf_on_policy]",
-                     "scaling.heldout_prompts=2", "scaling.anchors=[pf@0.5]", "eval.temperatures=[0.0]",
-                     "train.finetune.on_policy.rounds=1", "train.finetune.on_policy.steps_per_round=2",
-                     "train.finetune.on_policy.batch_size=2", "train.finetune.on_policy.heldout_prompts=2")
+    args = overrides(
+        distilled,
+        "scaling.fractions=[0.5,1]",
+        "scaling.series=[pf,f_only,pf_on_policy]",
+        "scaling.heldout_prompts=2",
+        "scaling.anchors=[pf@0.5]",
+        "eval.temperatures=[0.0]",
+        "train.finetune.on_policy.rounds=1",
+        "train.finetune.on_policy.steps_per_round=2",
+        "train.finetune.on_policy.batch_size=2",
+        "train.finetune.on_policy.heldout_prompts=2",
+    )
     assert cli(["scaling", *args]) == 0
     path = stage_dir(compose_config(args), "scaling").path
     result = json.loads((path / "scaling.json").read_text())
     points = result["points"]
-    assert sorted(points) == ["f_only@0.5", "f_only@1", "pf@0.5", "pf@1", "pf_on_policy@0.5", "pf_on_policy@1",
-                              "pretrained"]
+    assert sorted(points) == [
+        "f_only@0.5",
+        "f_only@1",
+        "pf@0.5",
+        "pf@1",
+        "pf_on_policy@0.5",
+        "pf_on_policy@1",
+        "pretrained",
+    ]
     # 8 prompts at T 0 and 1; on-policy holds 2 prompts out of both phases
     assert [points[f"pf@{f}"]["records"] for f in ("0.5", "1")] == [8, 16]
     assert [points[f"pf_on_policy@{f}"]["records"] for f in ("0.5", "1")] == [6, 12]
-    assert points["pf@1"]["drafter"] == str(stage_dir(compose_config(overrides(distilled)), "finetune").path / "drafter")
+    assert points["pf@1"]["drafter"] == str(
+        stage_dir(compose_config(overrides(distilled)), "finetune").path / "drafter"
+    )
     for point in points.values():
         assert 0 <= point["t0_agreement"]["mean"] <= 1 and 0 < point["t1_acceptance"]["mean"] < 1
         assert 1 <= point["predicted"]["T0"]["tau"] <= 1 + result["K"]
     assert set(result["series"]) == {"pf", "f_only", "pf_on_policy"}
     assert all("tau_gain_per_doubling" in fit for fit in result["series"].values())
-    assert result["anchors"]["pf@0.5"]["T0"]["tau"] >= 1 and result["anchors"]["pf@0.5"]["tau_measured_over_predicted"]["T0"] > 0
+    assert (
+        result["anchors"]["pf@0.5"]["T0"]["tau"] >= 1
+        and result["anchors"]["pf@0.5"]["tau_measured_over_predicted"]["T0"] > 0
+    )
     assert (path / "scaling.png").stat().st_size > 0 and (path / MARKER).exists()
     capsys.readouterr()
     assert cli(["scaling", *args]) == 0  # complete: prints the table, trains and measures nothing

@@ -13,15 +13,15 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaForCausalLM
 
-from tests.helpers import tiny_llama
 from pipeline.config import ConfigError, Loss, ParallelDraftConfig, TrainConfig, compose_config
 from pipeline.models.provision import load_model, load_tokenizer
 from pipeline.models.vocab import VocabMap
-from pipeline.training import losses, loop
 from pipeline.prompts import IGNORE
+from pipeline.training import loop, losses
 from pipeline.training.data import Collator, TokenStrings, pack, record_example
 from pipeline.training.launch import MetricsLog, read_metrics
 from pipeline.workers import EXIT_PREEMPTED
+from tests.helpers import tiny_llama
 
 VOCAB = 32
 
@@ -123,10 +123,12 @@ def test_pack_masks_each_documents_first_token():
 
 def test_collator_pads_without_labels_and_maps_a_reduced_vocabulary():
     vocab = VocabMap(torch.tensor([0, 5, 6, 7]), target_vocab_size=20)
-    batch = Collator(pad_id=0, vocab=vocab)([
-        {"input_ids": [5, 6, 9, 7], "labels": [IGNORE, 6, 9, 7]},
-        {"input_ids": [6, 5], "labels": [IGNORE, 5]},
-    ])
+    batch = Collator(pad_id=0, vocab=vocab)(
+        [
+            {"input_ids": [5, 6, 9, 7], "labels": [IGNORE, 6, 9, 7]},
+            {"input_ids": [6, 5], "labels": [IGNORE, 5]},
+        ]
+    )
     assert batch["input_ids"].tolist() == [[1, 2, 4, 3], [2, 1, 0, 0]]  # 9 is off the map: unk (4)
     assert batch["labels"].tolist() == [[IGNORE, 2, IGNORE, 3], [IGNORE, 1, IGNORE, IGNORE]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
@@ -141,10 +143,15 @@ def test_record_is_the_sequence_the_target_saw(smollm_path, finish_reason, stop_
     tokenizer = load_tokenizer(smollm_path)
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Translate German to English: Guten Morgen, wie geht es dir?"}],
-        add_generation_prompt=True, tokenize=False,
+        add_generation_prompt=True,
+        tokenize=False,
     )
-    record = {"prompt": prompt, "response": "Good morning, how are you?",
-              "finish_reason": finish_reason, "stop_reason": stop_reason}
+    record = {
+        "prompt": prompt,
+        "response": "Good morning, how are you?",
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
     example = record_example(record, tokenizer, max_length=512)
     prompt_ids = tokenizer(prompt)["input_ids"]
     n = len(prompt_ids)
@@ -170,8 +177,12 @@ def test_kd_losses_follow_their_definitions_and_fall_back_to_ce():
     ce_second = -q[1, 2].log()
     kl = (p * (p.log() - q[0, [0, 1]].log())).sum()
     tv = 0.5 * ((p - q[0, [0, 1]]).abs().sum() + q[0, [2, 3]].sum())
-    assert losses.loss_sum(logits, targets, Loss.kd_forward_kl).item() == pytest.approx((kl + ce_second).item(), rel=1e-5)
-    assert losses.loss_sum(logits, targets, Loss.kd_total_variation).item() == pytest.approx((tv + ce_second).item(), rel=1e-5)
+    assert losses.loss_sum(logits, targets, Loss.kd_forward_kl).item() == pytest.approx(
+        (kl + ce_second).item(), rel=1e-5
+    )
+    assert losses.loss_sum(logits, targets, Loss.kd_total_variation).item() == pytest.approx(
+        (tv + ce_second).item(), rel=1e-5
+    )
     ce = -(q[0, 0].log() + q[1, 2].log())
     assert losses.loss_sum(logits, targets, Loss.ce).item() == pytest.approx(ce.item(), rel=1e-5)
 
@@ -186,10 +197,17 @@ def test_record_carries_the_targets_top_k_aligned_with_its_labels(smollm_path):
     n_prompt = len(tokenizer(prompt).input_ids)
     with torch.no_grad():
         logprobs = torch.log_softmax(target(input_ids=ids).logits[0], -1)
-    top = [dict((tokenizer.decode([int(i)]), float(logprobs[t, i])) for i in logprobs[t].topk(5).indices)
-           for t in range(n_prompt - 1, ids.shape[1] - 1)]
-    record = {"prompt": prompt, "response": response, "finish_reason": "length", "stop_reason": None,
-              "top_logprobs": top}
+    top = [
+        dict((tokenizer.decode([int(i)]), float(logprobs[t, i])) for i in logprobs[t].topk(5).indices)
+        for t in range(n_prompt - 1, ids.shape[1] - 1)
+    ]
+    record = {
+        "prompt": prompt,
+        "response": response,
+        "finish_reason": "length",
+        "stop_reason": None,
+        "top_logprobs": top,
+    }
     example = record_example(record, tokenizer, 512, TokenStrings(tokenizer))
     labels = np.asarray(example["labels"])
     assert (example["teacher_ids"][labels == IGNORE] == -1).all()
@@ -231,7 +249,9 @@ def test_checkpoint_of_another_process_count_resumes_unless_deepspeed_wrote_or_r
     assert (position["step"], position["processes"], position["deepspeed"]) == (2, 1, False)
     # Whole tensors: any number of DDP (or single) processes loads them.
     loop.check_resumable(checkpoint, position, {"processes": 4, "deepspeed": False, "launch": "ddp"})
-    with pytest.raises(ConfigError, match=r"resume with train\.finetune\.launch=single train\.finetune\.num_processes=1, or start"):
+    with pytest.raises(
+        ConfigError, match=r"resume with train\.finetune\.launch=single train\.finetune\.num_processes=1, or start"
+    ):
         loop.check_resumable(checkpoint, position, {"processes": 1, "deepspeed": True, "launch": "deepspeed-zero2"})
     zero = position | {"processes": 8, "deepspeed": True, "launch": "deepspeed-zero2"}
     loop.check_resumable(checkpoint, zero, {"processes": 8, "deepspeed": True, "launch": "deepspeed-zero2"})
@@ -256,8 +276,11 @@ def test_num_processes_auto_is_every_local_gpu_and_must_split_the_batch(monkeypa
     assert processes(cfg, "pretrain") == 8
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     monkeypatch.delenv("SLURM_NNODES")
-    with pytest.raises(ConfigError, match=r"num_processes=auto found 3 process\(es\), which do not split "
-                                          r"train.finetune.batch_size=128"):
+    with pytest.raises(
+        ConfigError,
+        match=r"num_processes=auto found 3 process\(es\), which do not split "
+        r"train.finetune.batch_size=128",
+    ):
         processes(cfg, "finetune")
     assert processes(compose_config(["recipe=ci"]), "finetune") == 1  # a number stays that number
     with pytest.raises(ConfigError, match="num_processes must be a positive integer or auto, not many"):
@@ -280,9 +303,19 @@ def tiny_gemma(seed: int = 0):
     from transformers import GemmaConfig, GemmaForCausalLM
 
     torch.manual_seed(seed)
-    return GemmaForCausalLM(GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                        max_position_embeddings=64, pad_token_id=0))
+    return GemmaForCausalLM(
+        GemmaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            max_position_embeddings=64,
+            pad_token_id=0,
+        )
+    )
 
 
 @pytest.mark.parametrize("architecture", [tiny_model, tiny_gemma])  # the paper drafters' model classes
@@ -297,7 +330,9 @@ def test_packed_batch_has_the_losses_of_its_examples_run_one_by_one(architecture
         loss, labelled, inputs = objective(model, packed, 0)
         alone = [objective(model, Collator(0, None)([example]), 0) for example in examples]
     assert loss.item() == pytest.approx(sum(a[0].item() for a in alone), rel=1e-5)
-    assert labelled.item() == sum(a[1].item() for a in alone) and inputs.item() == sum(len(e["input_ids"]) for e in examples)
+    assert labelled.item() == sum(a[1].item() for a in alone) and inputs.item() == sum(
+        len(e["input_ids"]) for e in examples
+    )
     # and the unpacked, right-padded batch (no mask: causal attention never reaches a later pad) agrees too
     with torch.no_grad():
         padded = objective(model, Collator(0, None)(examples), 0)
@@ -312,7 +347,9 @@ def test_packed_training_matches_unpacked_training(tmp_path):
         out_dir = tmp_path / str(packed)
         out_dir.mkdir()
         collate = Collator(0, None, pack_length=16 if packed else None)
-        loop.train(train_config(max_steps=4), tiny_model(), examples, collate, out_dir, MetricsLog(out_dir / "m.jsonl"), 0)
+        loop.train(
+            train_config(max_steps=4), tiny_model(), examples, collate, out_dir, MetricsLog(out_dir / "m.jsonl"), 0
+        )
         runs[packed] = [row["loss"] for _, row in sorted(read_metrics(out_dir).items())]
     assert runs[True] == pytest.approx(runs[False], rel=1e-4)
 
@@ -336,7 +373,9 @@ def test_a_training_step_never_reads_the_device_on_the_host(tmp_path, monkeypatc
         def counted(self, *args, __original=original, __name=name, **kwargs):
             code = sys._getframe(1).f_code
             collating = code.co_filename.endswith(collators) or (
-                code.co_filename.endswith("pipeline/training/parallel_draft.py") and code.co_name in ("__call__", "expand"))
+                code.co_filename.endswith("pipeline/training/parallel_draft.py")
+                and code.co_name in ("__call__", "expand")
+            )
             if not collating:
                 reads.append((__name, code.co_filename))
             return __original(self, *args, **kwargs)
@@ -360,8 +399,16 @@ def test_a_training_step_never_reads_the_device_on_the_host(tmp_path, monkeypatc
                 else:
                     collate, objective = Collator(0, None, pack_length=16), None
                 # one epoch (its permutation is drawn and read on the host once): 8 examples per step, 48 of 64
-                loop.train(tc, tiny_model(), prompted_examples([9, 5, 12, 7] * 16), collate,
-                           out_dir, MetricsLog(out_dir / "m.jsonl"), 0, objective)
+                loop.train(
+                    tc,
+                    tiny_model(),
+                    prompted_examples([9, 5, 12, 7] * 16),
+                    collate,
+                    out_dir,
+                    MetricsLog(out_dir / "m.jsonl"),
+                    0,
+                    objective,
+                )
             finally:
                 if torch.cuda.is_available():
                     torch.cuda.set_sync_debug_mode("default")
@@ -381,8 +428,11 @@ def test_init_from_starts_the_drafters_shape_from_published_weights(smollm_path,
     drafter = OmegaConf.merge(cfg.drafter, {"init_from": str(tmp_path / "start")})
     model, vocab = build_drafter(drafter, smollm_path, None, seed=0)
     assert vocab is None and all(torch.equal(model.state_dict()[k], v) for k, v in start.state_dict().items())
-    with pytest.raises(ConfigError, match=r"^drafter.init_from \S+ is not the shape of drafter tiny-ci: hidden_size 64 "
-                                          r"\(not 128\); start from a checkpoint of that shape"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^drafter.init_from \S+ is not the shape of drafter tiny-ci: hidden_size 64 "
+        r"\(not 128\); start from a checkpoint of that shape",
+    ):
         build_drafter(OmegaConf.merge(drafter, {"hidden_size": 128}), smollm_path, None, 0)
     with pytest.raises(ConfigError, match="drafter.init_from starts a source=init drafter of the full vocabulary"):
         compose_config(["recipe=ci", f"drafter.init_from={tmp_path / 'start'}", "drafter.reduced_vocab=512"])

@@ -15,20 +15,27 @@ from transformers import AutoTokenizer
 
 from pipeline import cli
 from pipeline.config import REPO_ROOT, compose_config, with_overrides
+from pipeline.evaluation import vllm_backend
+from pipeline.evaluation.vllm_backend import Completion, parse_counters, spec_stats
 from pipeline.models.drafter import init_drafter, save_drafter
 from pipeline.models.export import VLLM_DIR, export_drafter
 from pipeline.models.vocab import VocabMap
 from pipeline.rundir import stage_dir
-from pipeline.evaluation import vllm_backend
-from pipeline.evaluation.vllm_backend import Completion, parse_counters, spec_stats
 
 K, PROMPTS, TOKENS = 4, 3, 24
 SMOLLM_VOCAB = 49152
 
 
 def args(runs_dir, drafter, *extra: str) -> list[str]:
-    return ["eval", "recipe=ci", f"paths.runs_dir={runs_dir}", f"paths.cache_dir={REPO_ROOT / 'runs' / 'cache'}",
-            f"eval.drafter_path={drafter}", "eval.engine=vllm", *extra]
+    return [
+        "eval",
+        "recipe=ci",
+        f"paths.runs_dir={runs_dir}",
+        f"paths.cache_dir={REPO_ROOT / 'runs' / 'cache'}",
+        f"eval.drafter_path={drafter}",
+        "eval.engine=vllm",
+        *extra,
+    ]
 
 
 @pytest.fixture
@@ -71,8 +78,9 @@ def finetuned_run(runs_dir, smollm_path, drafter, vocab, *extra: str) -> list[st
     return base
 
 
-def test_reduced_vocabulary_drafter_folder_is_refused_before_any_server(smollm_path, runs_dir, tmp_path, no_server,
-                                                                       capsys):
+def test_reduced_vocabulary_drafter_folder_is_refused_before_any_server(
+    smollm_path, runs_dir, tmp_path, no_server, capsys
+):
     """eval.drafter_path naming a reduced-vocabulary drafter, not its export: vLLM needs the export's form."""
     folder = tmp_path / "reduced"
     drafter, vocab = tiny_reduced_drafter(smollm_path)
@@ -85,7 +93,9 @@ def test_reduced_vocabulary_finetune_without_its_export_names_make_export(smollm
     base = finetuned_run(runs_dir, smollm_path, *tiny_reduced_drafter(smollm_path))
     argv = ["eval", *base, "eval.engine=vllm", "eval.temperatures=[0]"]
     err = refusal(argv, capsys)
-    export_command = f"make export LANG=de-en RECIPE=ci ARGS='{' '.join(base[1:])} eval.engine=vllm eval.temperatures=[0]'`"
+    export_command = (
+        f"make export LANG=de-en RECIPE=ci ARGS='{' '.join(base[1:])} eval.engine=vllm eval.temperatures=[0]'`"
+    )
     assert "no complete export" in err and f"run `{export_command} first" in err
     cfg = compose_config(base)
     export = stage_dir(cfg, "export")  # an export of another finetune (another drafter config, say)
@@ -100,12 +110,16 @@ def test_reduced_vocabulary_finetune_without_its_export_names_make_export(smollm
 
 def test_counters_from_prometheus_text():
     def text(drafts, tokens, accepted, per_pos):
-        lines = [f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {drafts}',
-                 f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} {tokens}',
-                 f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} {accepted}',
-                 'vllm:spec_decode_num_accepted_tokens_created{engine="0",model_name="m"} 1.7e+09']
-        lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="{i}"}} {v}'
-                  for i, v in enumerate(per_pos)]
+        lines = [
+            f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {drafts}',
+            f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} {tokens}',
+            f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} {accepted}',
+            'vllm:spec_decode_num_accepted_tokens_created{engine="0",model_name="m"} 1.7e+09',
+        ]
+        lines += [
+            f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="{i}"}} {v}'
+            for i, v in enumerate(per_pos)
+        ]
         return "\n".join(["# TYPE vllm:spec_decode_num_drafts counter", *lines]) + "\n"
 
     before, after = parse_counters(text(2, 4, 3, [2, 1])), parse_counters(text(6, 12, 7, [5, 2]))
@@ -117,10 +131,12 @@ def test_counters_from_prometheus_text():
 
 
 @pytest.mark.parametrize("top2_gap", [2.5, 0.125])
-def test_greedy_divergence_fails_with_a_clear_margin_and_is_a_tie_without(smollm_path, runs_dir, monkeypatch, capsys,
-                                                                            top2_gap):
+def test_greedy_divergence_fails_with_a_clear_margin_and_is_a_tie_without(
+    smollm_path, runs_dir, monkeypatch, capsys, top2_gap
+):
     """run() on canned server answers: the speculative server's second prompt differs from the target's at its
     third token, where the served target (dtype auto: half precision) puts its top two tokens ``top2_gap`` apart."""
+
     class Server:
         def __enter__(self):
             return self
@@ -131,9 +147,18 @@ def test_greedy_divergence_fails_with_a_clear_margin_and_is_a_tie_without(smollm
     answers = iter([[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 4]])  # target server's two prompts, then speculative's
 
     def decode_all(server, cfg, prompts, blocks, stop_ids):
-        generations = [Completion(tokens=next(answers), finish_reason="length", seconds=0.5, text="x") for _ in prompts["de-en"]]
-        counters = {"before": parse_counters(""), "after": {"drafts": 2.0, "draft_tokens": 8.0, "accepted": 4.0,
-                                                              "accepted_per_position": [2.0, 1.0, 1.0, 0.0]}}
+        generations = [
+            Completion(tokens=next(answers), finish_reason="length", seconds=0.5, text="x") for _ in prompts["de-en"]
+        ]
+        counters = {
+            "before": parse_counters(""),
+            "after": {
+                "drafts": 2.0,
+                "draft_tokens": 8.0,
+                "accepted": 4.0,
+                "accepted_per_position": [2.0, 1.0, 1.0, 0.0],
+            },
+        }
         counters["before"]["accepted_per_position"] = [0.0] * 4
         return {blocks[0]: {"generations": generations, "requests": 2, "counters": counters}}
 
@@ -149,20 +174,34 @@ def test_greedy_divergence_fails_with_a_clear_margin_and_is_a_tie_without(smollm
     monkeypatch.setattr(vllm_backend, "request", request)
     monkeypatch.setattr(vllm_backend, "decode_all", decode_all)
     clear_margin = top2_gap > 0.5  # the default eval.tie_tolerance
-    assert cli.main(args(runs_dir, smollm_path, "eval.temperatures=[0]", "eval.num_prompts=2")) == (2 if clear_margin else 0)
+    assert cli.main(args(runs_dir, smollm_path, "eval.temperatures=[0]", "eval.num_prompts=2")) == (
+        2 if clear_margin else 0
+    )
     out = next(runs_dir.glob("**/eval-vllm"))
     metrics = json.loads((out / "metrics.json").read_text())
     assert len(asked) == 1 and asked[0][-2:] == [1, 2]  # the gap after the prompt and the tokens before the divergence
-    divergence = [{"lang": "de-en", "id": metrics["lossless"]["mismatches" if clear_margin else "ties"][0]["id"],
-                   "method": "vllm_speculative", "position": 2, "top2_gap": top2_gap}]
-    assert metrics["lossless"] | {} == {"greedy_prompts_checked": 2, "outputs_checked": 2, "exact": 1, "tie_tolerance": 0.5,
-                                        "ties": [] if clear_margin else divergence,
-                                        "mismatches": divergence if clear_margin else []}
+    divergence = [
+        {
+            "lang": "de-en",
+            "id": metrics["lossless"]["mismatches" if clear_margin else "ties"][0]["id"],
+            "method": "vllm_speculative",
+            "position": 2,
+            "top2_gap": top2_gap,
+        }
+    ]
+    assert metrics["lossless"] | {} == {
+        "greedy_prompts_checked": 2,
+        "outputs_checked": 2,
+        "exact": 1,
+        "tie_tolerance": 0.5,
+        "ties": [] if clear_margin else divergence,
+        "mismatches": divergence if clear_margin else [],
+    }
     if not clear_margin:
         assert (out / "COMPLETE").exists() and "1 numerical ties" in (out / "report.md").read_text()
         return
     err = capsys.readouterr().err
-    err = err[err.index("error: "):]  # after the progress bars of a fresh data cache, if any
+    err = err[err.index("error: ") :]  # after the progress bars of a fresh data cache, if any
     assert err.startswith("error: 1 greedy outputs of vLLM's speculative server differ") and err.count("\n") == 1
     spec = metrics["results"]["de-en"]["T=0.0"]["seeds"]["0"]["vllm_speculative"]
     assert (spec["alpha"], spec["tau"], spec["speedup"]) == (0.5, 3.0, 1.0)
@@ -177,9 +216,18 @@ def self_drafted(smollm_path, tmp_path_factory):
     In float32: with dtype=auto (bfloat16 on CPU) the drafter's one-token forwards and the K+1-token
     verification round differently, and a near-tie (top-2 logit gap 0.09) rejected 1 of 60 drafts."""
     runs_dir = tmp_path_factory.mktemp("vllm-eval") / "runs"
-    code = cli.main(args(runs_dir, smollm_path, "eval.temperatures=[0]", f"eval.num_prompts={PROMPTS}",
-                         f"eval.max_new_tokens={TOKENS}", f"eval.num_draft_tokens={K}", "eval.warmup=1",
-                         "distill.server.dtype=float32"))
+    code = cli.main(
+        args(
+            runs_dir,
+            smollm_path,
+            "eval.temperatures=[0]",
+            f"eval.num_prompts={PROMPTS}",
+            f"eval.max_new_tokens={TOKENS}",
+            f"eval.num_draft_tokens={K}",
+            "eval.warmup=1",
+            "distill.server.dtype=float32",
+        )
+    )
     return code, next(runs_dir.glob("**/eval-vllm"))
 
 
@@ -189,8 +237,14 @@ def test_target_as_its_own_drafter_accepts_everything_and_is_lossless(self_draft
     metrics = json.loads((out / "metrics.json").read_text())
     assert code == 0 and (out / "COMPLETE").exists(), metrics["lossless"]
     assert metrics["engine"] == "vllm" and metrics["K"] == K and metrics["environment"]["vllm"]
-    assert metrics["lossless"] == {"greedy_prompts_checked": PROMPTS, "outputs_checked": PROMPTS, "exact": PROMPTS,
-                                   "tie_tolerance": 0.0, "ties": [], "mismatches": []}  # float32: exact
+    assert metrics["lossless"] == {
+        "greedy_prompts_checked": PROMPTS,
+        "outputs_checked": PROMPTS,
+        "exact": PROMPTS,
+        "tie_tolerance": 0.0,
+        "ties": [],
+        "mismatches": [],
+    }  # float32: exact
     stats = metrics["results"]["de-en"]["T=0.0"]["seeds"]["0"]
     base, spec = stats["vllm_target"], stats["vllm_speculative"]
     print(json.dumps({m: {k: v for k, v in s.items() if k != "counters"} for m, s in stats.items()}, indent=1))
@@ -221,15 +275,17 @@ def reduced_drafted(smollm_path, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from pipeline.evaluation.heldout import heldout_prompts
-    from pipeline.prompts import prompt_ids
     from pipeline.models.export import EXPORT_FOLDER as FOLDER
+    from pipeline.prompts import prompt_ids
     from tests.helpers import reduced_copy
 
     runs_dir = tmp_path_factory.mktemp("vllm-eval-reduced") / "runs"
     tokenizer = AutoTokenizer.from_pretrained(smollm_path)
     extra = ["distill.server.dtype=float32", f"eval.num_draft_tokens={K}"]
     cfg = compose_config(["recipe=ci", f"paths.cache_dir={REPO_ROOT / 'runs' / 'cache'}", *extra])
-    ids = set(range(4096)) | {i for _, text in heldout_prompts(cfg, "de-en", tokenizer) for i in prompt_ids(text, tokenizer)}
+    ids = set(range(4096)) | {
+        i for _, text in heldout_prompts(cfg, "de-en", tokenizer) for i in prompt_ids(text, tokenizer)
+    }
     order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))
     vocab = VocabMap(torch.tensor(sorted(ids))[order], SMOLLM_VOCAB)
     target = AutoModelForCausalLM.from_pretrained(smollm_path, dtype=torch.float32)
@@ -239,8 +295,17 @@ def reduced_drafted(smollm_path, tmp_path_factory):
     assert export.begin(cfg)
     export_drafter(str(export.inputs["finetune"].path / "drafter"), smollm_path, export.path / FOLDER, K)
     export.finish(cfg, {})
-    code = cli.main(["eval", *base, "eval.engine=vllm", "eval.temperatures=[0]", f"eval.num_prompts={PROMPTS}",
-                     f"eval.max_new_tokens={TOKENS}", "eval.warmup=1"])
+    code = cli.main(
+        [
+            "eval",
+            *base,
+            "eval.engine=vllm",
+            "eval.temperatures=[0]",
+            f"eval.num_prompts={PROMPTS}",
+            f"eval.max_new_tokens={TOKENS}",
+            "eval.warmup=1",
+        ]
+    )
     return code, stage_dir(with_overrides(cfg, ["eval.engine=vllm"]), "eval").path, export.path / FOLDER, vocab
 
 
@@ -249,10 +314,20 @@ def test_reduced_vocabulary_drafter_runs_through_its_exports_vllm_form_losslessl
     code, out, exported, vocab = reduced_drafted
     metrics = json.loads((out / "metrics.json").read_text())
     assert code == 0 and (out / "COMPLETE").exists(), metrics["lossless"]
-    assert metrics["speculative_config"] == {"method": "draft_model", "model": str((exported / VLLM_DIR).resolve()),
-                                             "num_speculative_tokens": K, "use_heterogeneous_vocab": True}
-    assert metrics["lossless"] == {"greedy_prompts_checked": PROMPTS, "outputs_checked": PROMPTS, "exact": PROMPTS,
-                                   "tie_tolerance": 0.0, "ties": [], "mismatches": []}  # float32: exact
+    assert metrics["speculative_config"] == {
+        "method": "draft_model",
+        "model": str((exported / VLLM_DIR).resolve()),
+        "num_speculative_tokens": K,
+        "use_heterogeneous_vocab": True,
+    }
+    assert metrics["lossless"] == {
+        "greedy_prompts_checked": PROMPTS,
+        "outputs_checked": PROMPTS,
+        "exact": PROMPTS,
+        "tie_tolerance": 0.0,
+        "ties": [],
+        "mismatches": [],
+    }  # float32: exact
     spec = metrics["results"]["de-en"]["T=0.0"]["seeds"]["0"]["vllm_speculative"]
     print(json.dumps({k: v for k, v in spec.items() if k != "counters"}, indent=1))
     assert spec["draft_tokens"] == K * spec["drafts"] > 0
@@ -275,8 +350,13 @@ def test_sliding_window_target_keeps_its_outputs_with_one_kv_cache_group(gemma_p
     from pipeline.models.export import SINGLE_KV_GROUP
     from pipeline.prompts import prompt_ids
 
-    base = ["recipe=local", "logger=none", f"paths.runs_dir={tmp_path / 'runs'}",
-            f"paths.cache_dir={REPO_ROOT / 'runs' / 'cache'}", f"eval.num_prompts={PROMPTS}"]
+    base = [
+        "recipe=local",
+        "logger=none",
+        f"paths.runs_dir={tmp_path / 'runs'}",
+        f"paths.cache_dir={REPO_ROOT / 'runs' / 'cache'}",
+        f"eval.num_prompts={PROMPTS}",
+    ]
     cfg = compose_config(base)
     tokenizer = AutoTokenizer.from_pretrained(gemma_path)
     counts = torch.zeros(len(tokenizer), dtype=torch.float)  # the prompts' ids: the drafter reads them as they are
@@ -285,11 +365,24 @@ def test_sliding_window_target_keeps_its_outputs_with_one_kv_cache_group(gemma_p
     vocab = VocabMap.most_frequent(counts, 2048, always=tokenizer.all_special_ids)
     save_drafter(init_drafter(cfg.drafter, gemma_path, vocab, seed=0), gemma_path, vocab, tmp_path / "finetuned")
     export_drafter(str(tmp_path / "finetuned"), gemma_path, tmp_path / "export", K)
-    code = cli.main(["eval", *base, f"eval.drafter_path={tmp_path / 'export'}", "eval.engine=vllm",
-                     "eval.temperatures=[0]", f"eval.max_new_tokens={TOKENS}", f"eval.num_draft_tokens={K}",
-                     "eval.warmup=0", "distill.server.dtype=float32"])
+    code = cli.main(
+        [
+            "eval",
+            *base,
+            f"eval.drafter_path={tmp_path / 'export'}",
+            "eval.engine=vllm",
+            "eval.temperatures=[0]",
+            f"eval.max_new_tokens={TOKENS}",
+            f"eval.num_draft_tokens={K}",
+            "eval.warmup=0",
+            "distill.server.dtype=float32",
+        ]
+    )
     out = next((tmp_path / "runs").glob("**/eval-vllm"))
     metrics = json.loads((out / "metrics.json").read_text())
-    assert SINGLE_KV_GROUP in metrics["speculative_server_args"] and metrics["speculative_config"]["use_heterogeneous_vocab"]
+    assert (
+        SINGLE_KV_GROUP in metrics["speculative_server_args"]
+        and metrics["speculative_config"]["use_heterogeneous_vocab"]
+    )
     assert code == 0 and metrics["lossless"]["exact"] == PROMPTS, metrics["lossless"]
     assert metrics["results"]["de-en"]["T=0.0"]["seeds"]["0"]["vllm_speculative"]["drafts"] > 0

@@ -28,11 +28,11 @@ def read_offline_run(wandb_file: str | Path) -> dict[str, Any]:
     run: dict[str, Any] = {"config": {}, "history": [], "summary": {}}
     while pos + 7 <= len(data):
         left = block - pos % block
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7]) if left >= 7 else (0, 0, 0)
         if length == 0 and kind == 0:  # block padding
             pos += left
             continue
-        chunks.append(data[pos + 7:pos + 7 + length])
+        chunks.append(data[pos + 7 : pos + 7 + length])
         pos += 7 + length
         if kind not in (1, 4):  # FIRST/MIDDLE chunks of a record that spans blocks
             continue

@@ -50,13 +50,17 @@ class BenchSettings:
         return cfg, resolve_device(cfg.eval.device), target_path, load_tokenizer(target_path)
 
     def out_dir(self, root: Path) -> Path:
-        """``root`` for the local recipe in its own dtype (the results docs/ cites), else ``root/<recipe>[-<dtype>]``."""
+        """``root`` for the local recipe in its own dtype (the results docs/ cites), else
+        ``root/<recipe>[-<dtype>]``."""
         if self.recipe == DEFAULT_RECIPE and self.dtype is None:
             return root
         return root / "-".join(filter(None, [self.recipe, self.dtype]))
 
 
 def heldout_ids(cfg: DictConfig, tokenizer, device: torch.device, count: int) -> list[torch.Tensor]:
-    """The first ``count`` held-out prompts of the pair, as the eval stage builds them: (1, length) ids on ``device``."""
-    return [torch.tensor([prompt_ids(prompt, tokenizer)], device=device)
-            for _, prompt in heldout_prompts(cfg, cfg.lang.pair, tokenizer, count)]
+    """The first ``count`` held-out prompts of the pair, as the eval stage builds them: (1, length) ids on
+    ``device``."""
+    return [
+        torch.tensor([prompt_ids(prompt, tokenizer)], device=device)
+        for _, prompt in heldout_prompts(cfg, cfg.lang.pair, tokenizer, count)
+    ]

@@ -14,8 +14,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m pipeline.bench")
     parser.add_argument("names", nargs="*", choices=[[], *available], metavar="NAME", help=f"one of {available}")
     parser.add_argument("--recipe", default=pipeline.bench.DEFAULT_RECIPE, help="the recipe whose models are measured")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="the target's dtype and training precision "
-                                                               "(default: the recipe's)")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="the target's dtype and training precision (default: the recipe's)",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
     args = parser.parse_args()
     settings = BenchSettings(args.recipe, args.dtype)

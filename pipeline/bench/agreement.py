@@ -1,10 +1,10 @@
 """How well each finetuned de-en drafter of the ``local`` recipe predicts the target, token by token.
 
 The target decodes the held-out prompts greedily (the eval stage's prompts and stop condition); each
-drafter then reads those sequences in one teacher-forced pass (pipeline/evaluation/teacher_forced.py). Per answer token: whether the drafter's
-top token is the target's (the T=0 acceptance of a draft at that position) and Σ min(p, q) over the
-vocabulary (its T=1 acceptance). No timing, so the figures do not depend on machine load, and paired
-per-token differences against the recipe's own drafter separate small improvements from noise.
+drafter then reads those sequences in one teacher-forced pass (pipeline/evaluation/teacher_forced.py). Per
+answer token: whether the drafter's top token is the target's (the T=0 acceptance of a draft at that position)
+and Σ min(p, q) over the vocabulary (its T=1 acceptance). No timing, so the figures do not depend on machine
+load, and paired per-token differences against the recipe's own drafter separate small improvements from noise.
 Drafters: every ``runs/<target>/<drafter>/de-en/finetune/drafter`` folder.
 """
 

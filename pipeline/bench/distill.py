@@ -36,15 +36,21 @@ def vllm_stage(cfg) -> dict:
     started = time.monotonic()
     distill.run(cfg, directory, Tracker())
     stats = json.loads((directory.path / distill.STATS_FILE).read_text())
-    return {"tokens": stats["new_completion_tokens"], "generation_s": stats["generation_time_s"],
-            "tokens_per_s": stats["tokens_per_s"], "wall_s_with_server_startup": round(time.monotonic() - started, 1),
-            "dtype": cfg.distill.server.dtype}
+    return {
+        "tokens": stats["new_completion_tokens"],
+        "generation_s": stats["generation_time_s"],
+        "tokens_per_s": stats["tokens_per_s"],
+        "wall_s_with_server_startup": round(time.monotonic() - started, 1),
+        "dtype": cfg.distill.server.dtype,
+    }
 
 
 def generated_length(row: list[int], tokenizer, stop: list[str]) -> int:
     """Tokens up to and including the first that ends the answer (EOS, pad or one containing a stop string)."""
     for i, token in enumerate(row):
-        if token in (tokenizer.eos_token_id, tokenizer.pad_token_id) or any(s in tokenizer.decode([token]) for s in stop):
+        if token in (tokenizer.eos_token_id, tokenizer.pad_token_id) or any(
+            s in tokenizer.decode([token]) for s in stop
+        ):
             return i + 1
     return len(row)
 
@@ -60,30 +66,52 @@ def transformers_generate(cfg, prompts: list[str]) -> dict:
     started = clock(device)
     ordered = sorted(prompts, key=len)
     for i in range(0, len(ordered), HF_BATCH_SIZE):
-        batch = tokenizer(ordered[i: i + HF_BATCH_SIZE], return_tensors="pt", padding=True).to(device)
+        batch = tokenizer(ordered[i : i + HF_BATCH_SIZE], return_tensors="pt", padding=True).to(device)
         with torch.inference_mode():
-            out = model.generate(**batch, max_new_tokens=MAX_TOKENS, do_sample=False, stop_strings=stop,
-                                 tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id)
-        new = out[:, batch["input_ids"].shape[1]:].tolist()
+            out = model.generate(
+                **batch,
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                stop_strings=stop,
+                tokenizer=tokenizer,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        new = out[:, batch["input_ids"].shape[1] :].tolist()
         tokens += sum(generated_length(row, tokenizer, stop) for row in new)
     elapsed = clock(device) - started
-    return {"tokens": tokens, "generation_s": round(elapsed, 1), "tokens_per_s": round(tokens / elapsed, 1),
-            "dtype": cfg.target.dtype, "batch_size": HF_BATCH_SIZE}
+    return {
+        "tokens": tokens,
+        "generation_s": round(elapsed, 1),
+        "tokens_per_s": round(tokens / elapsed, 1),
+        "dtype": cfg.target.dtype,
+        "batch_size": HF_BATCH_SIZE,
+    }
 
 
 def main(out_dir: Path, settings: BenchSettings) -> dict:
-    overrides = ["lang=de-en", "logger=none", f"paths.runs_dir={out_dir / 'distill-runs'}",
-                 f"data.max_train_prompts={NUM_PROMPTS}", "distill.temperatures=[0.0]",
-                 f"distill.max_tokens={MAX_TOKENS}"]
+    overrides = [
+        "lang=de-en",
+        "logger=none",
+        f"paths.runs_dir={out_dir / 'distill-runs'}",
+        f"data.max_train_prompts={NUM_PROMPTS}",
+        "distill.temperatures=[0.0]",
+        f"distill.max_tokens={MAX_TOKENS}",
+    ]
     cfg = settings.config(*overrides)
     tokenizer = load_tokenizer(model_path(cfg.target, cfg.paths.models_dir))
     prompts = [build_prompt(cfg.target, cfg.lang, ex.src, tokenizer) for ex in load_sources(cfg)[0]]
     vllm = vllm_stage(cfg)
     hf = transformers_generate(cfg, prompts)
     result = {
-        "target": cfg.target.name, "prompts": len(prompts), "max_tokens": MAX_TOKENS, "temperature": 0.0,
-        "vllm": vllm, "transformers": hf, "speedup": round(vllm["tokens_per_s"] / hf["tokens_per_s"], 2),
-        "goal_speedup": 3.0, "torch_threads": torch.get_num_threads(),
+        "target": cfg.target.name,
+        "prompts": len(prompts),
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "vllm": vllm,
+        "transformers": hf,
+        "speedup": round(vllm["tokens_per_s"] / hf["tokens_per_s"], 2),
+        "goal_speedup": 3.0,
+        "torch_threads": torch.get_num_threads(),
     }
     (out_dir / "distill.json").write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -31,10 +31,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.bench import BenchSettings, heldout_ids
-from pipeline.evaluation.heldout import stop_condition
-from pipeline.evaluation.results import environment
 from pipeline.data.sharegpt import iter_texts
 from pipeline.data.sources import load_sources
+from pipeline.evaluation.heldout import stop_condition
+from pipeline.evaluation.results import environment
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model
 from pipeline.models.vocab import VocabMap
@@ -113,7 +113,9 @@ def token_counts(tokenizer, vocab_size: int, prompts: list[str], documents: int 
     counts = torch.zeros(vocab_size, dtype=torch.long)
     texts = [text for i, (_, text) in zip(range(documents), iter_texts())] + prompts
     for text in texts:
-        counts += torch.bincount(torch.tensor(tokenizer.encode(text), dtype=torch.long), minlength=vocab_size)[:vocab_size]
+        counts += torch.bincount(torch.tensor(tokenizer.encode(text), dtype=torch.long), minlength=vocab_size)[
+            :vocab_size
+        ]
     return counts
 
 
@@ -138,8 +140,9 @@ def run_methods(methods: dict, prompts: list[torch.Tensor]) -> dict:
     return outputs
 
 
-def build_drafters(cfg, target_model, tokenizer, skipped: tuple, finetuned_folder: Path, target_path: str,
-                   device: torch.device) -> dict:
+def build_drafters(
+    cfg, target_model, tokenizer, skipped: tuple, finetuned_folder: Path, target_path: str, device: torch.device
+) -> dict:
     """name -> (drafter model, its vocab map or None): the layer-skip drafter, the whole target with a reduced
     head, and the finetune stage's drafter (as it is and as a full-vocabulary copy) where it exists."""
     train_prompts = [build_prompt(cfg.target, cfg.lang, ex.src, tokenizer) for ex in load_sources(cfg)[0]]
@@ -169,8 +172,12 @@ def method_table(outputs: dict, drafters: dict, target: CachedModel, first_promp
         stats[name]["greedy_token_exact"] = all(g.tokens == t.tokens for g, t in zip(outputs[name], outputs["target"]))
         for method in (name, at_t1(name)):
             row = stats[method]
-            row |= {"c": c, "v": v, "speedup_predicted": predicted_speedup(row["alpha"], K, c, v),
-                    "alpha_from_tau": alpha_from_tau(row["tau"], K)}
+            row |= {
+                "c": c,
+                "v": v,
+                "speedup_predicted": predicted_speedup(row["alpha"], K, c, v),
+                "alpha_from_tau": alpha_from_tau(row["tau"], K),
+            }
             row["speedup_predicted_from_tau"] = predicted_speedup(row["alpha_from_tau"], K, c, v)
             row["measured_over_predicted_from_tau"] = row["speedup"] / row["speedup_predicted_from_tau"]
     return stats
@@ -190,20 +197,33 @@ def main(out_dir: Path, settings: BenchSettings) -> dict:
 
     def ours(model, vmap, sampling=greedy):
         drafter = model_drafter(model, vmap) if model is not None else None
-        return lambda ids: generate(target, ids, MAX_NEW_TOKENS, stop, sampling, drafter=drafter, k=K,
-                                    generator=torch.Generator(device=device).manual_seed(SEED))
+        return lambda ids: generate(
+            target,
+            ids,
+            MAX_NEW_TOKENS,
+            stop,
+            sampling,
+            drafter=drafter,
+            k=K,
+            generator=torch.Generator(device=device).manual_seed(SEED),
+        )
 
     def hf_assisted(assistant):
-        return lambda ids: timed(lambda: hf_generate(target_model, ids, MAX_NEW_TOKENS, stop, greedy, 0,
-                                                     assistant=assistant, k=K), device)
+        return lambda ids: timed(
+            lambda: hf_generate(target_model, ids, MAX_NEW_TOKENS, stop, greedy, 0, assistant=assistant, k=K), device
+        )
 
     sampled = Sampling(1.0, cfg.eval.top_k, cfg.eval.top_p)
-    methods = {"target": ours(None, None),
-               "hf": lambda ids: timed(lambda: hf_generate(target_model, ids, MAX_NEW_TOKENS, stop, greedy, 0), device)}
+    methods = {
+        "target": ours(None, None),
+        "hf": lambda ids: timed(lambda: hf_generate(target_model, ids, MAX_NEW_TOKENS, stop, greedy, 0), device),
+    }
     methods |= {name: ours(model, vmap) for name, (model, vmap) in drafters.items()}
     # HF runs every full-vocabulary drafter too: each of our rows beside HF's with the same models and K.
     methods |= {hf_name(name): hf_assisted(model) for name, (model, vmap) in drafters.items() if vmap is None}
-    methods |= {at_t1(name): ours(model, vmap, sampled) for name, (model, vmap) in {"target": (None, None), **drafters}.items()}
+    methods |= {
+        at_t1(name): ours(model, vmap, sampled) for name, (model, vmap) in {"target": (None, None), **drafters}.items()
+    }
     outputs = run_methods(methods, prompts)
 
     stats = method_table(outputs, drafters, target, prompts[0])
@@ -221,29 +241,47 @@ def main(out_dir: Path, settings: BenchSettings) -> dict:
         "speedup_predicted_from_tau": headline["speedup_predicted_from_tau"],
         "measured_over_predicted_from_tau": headline["speedup"] / headline["speedup_predicted_from_tau"],
         "vs_hf_assisted": headline["tokens_per_s"] / stats["hf_assisted"]["tokens_per_s"],
-        "t1": {key: headline_t1[key] for key in ("tau", "alpha_from_tau", "c", "v", "speedup", "speedup_predicted_from_tau",
-                                                 "measured_over_predicted_from_tau")},
-        "t1_measured_over_predicted_by_drafter": {name: stats[at_t1(name)]["measured_over_predicted_from_tau"]
-                                                  for name in drafters},
-        "vs_hf_assisted_by_drafter": {name: stats[name]["tokens_per_s"] / stats[hf_name(name)]["tokens_per_s"]
-                                      for name in drafters if hf_name(name) in stats},
+        "t1": {
+            key: headline_t1[key]
+            for key in (
+                "tau",
+                "alpha_from_tau",
+                "c",
+                "v",
+                "speedup",
+                "speedup_predicted_from_tau",
+                "measured_over_predicted_from_tau",
+            )
+        },
+        "t1_measured_over_predicted_by_drafter": {
+            name: stats[at_t1(name)]["measured_over_predicted_from_tau"] for name in drafters
+        },
+        "vs_hf_assisted_by_drafter": {
+            name: stats[name]["tokens_per_s"] / stats[hf_name(name)]["tokens_per_s"]
+            for name in drafters
+            if hf_name(name) in stats
+        },
         "what": {
             "target": target_path,
-            "drafters": {"speculative": f"layer-skip: the target without layers {list(skipped)}, full vocabulary",
-                         "speculative_reduced_head": f"the whole target with a {REDUCED_VOCAB}-token head (the most "
-                                                     "frequent ids of 3000 ShareGPT documents and the de-en training prompts)",
-                         "speculative_finetuned": str(finetuned_folder) if finetuned_folder.is_dir() else "none yet",
-                         "speculative_finetuned_full_vocab": "the finetuned drafter as a full-vocabulary model "
-                                                             "(full_vocabulary_copy), so HF assisted generation runs it too"},
+            "drafters": {
+                "speculative": f"layer-skip: the target without layers {list(skipped)}, full vocabulary",
+                "speculative_reduced_head": f"the whole target with a {REDUCED_VOCAB}-token head (the most "
+                "frequent ids of 3000 ShareGPT documents and the de-en training prompts)",
+                "speculative_finetuned": str(finetuned_folder) if finetuned_folder.is_dir() else "none yet",
+                "speculative_finetuned_full_vocab": "the finetuned drafter as a full-vocabulary model "
+                "(full_vocabulary_copy), so HF assisted generation runs it too",
+            },
             "headline": "speculative: the layer-skip drafter; hf_assisted runs the same drafter with the same K "
-                        "(vs_hf_assisted_by_drafter: every full-vocabulary drafter against HF)",
+            "(vs_hf_assisted_by_drafter: every full-vocabulary drafter against HF)",
             "t1": f"{HEADLINE_T1} at T=1 (a cheap reduced-vocabulary drafter, where the sampling's own cost shows): "
-                  "speedup in tokens/s over target_t1, predicted tau / (K c + v) with the tau measured at T=1",
+            "speedup in tokens/s over target_t1, predicted tau / (K c + v) with the tau measured at T=1",
             "prompts": f"{len(prompts)} held-out de-en prompts of the {settings.recipe} recipe",
             "target_dtype": cfg.target.dtype,
             "max_new_tokens": MAX_NEW_TOKENS,
-            "sampling": {"methods": "T=0", "methods *_t1": f"T=1, top_k={sampled.top_k}, top_p={sampled.top_p}, "
-                                                            f"seed {SEED} per prompt"},
+            "sampling": {
+                "methods": "T=0",
+                "methods *_t1": f"T=1, top_k={sampled.top_k}, top_p={sampled.top_p}, seed {SEED} per prompt",
+            },
             "timing": f"1 warm-up, median of {REPETITIONS} repetitions per prompt, methods interleaved per prompt",
             "speedup": "target-only seconds per token / method seconds per token (same loop and forward path)",
             "environment": environment(device),
@@ -251,5 +289,17 @@ def main(out_dir: Path, settings: BenchSettings) -> dict:
         "methods": stats,
     }
     (out_dir / "engine.json").write_text(json.dumps(result, indent=2) + "\n")
-    return {key: result[key] for key in ("K", "alpha", "tau", "c", "speedup_measured", "speedup_predicted", "vs_hf_assisted",
-                                         "t1", "t1_measured_over_predicted_by_drafter")}
+    return {
+        key: result[key]
+        for key in (
+            "K",
+            "alpha",
+            "tau",
+            "c",
+            "speedup_measured",
+            "speedup_predicted",
+            "vs_hf_assisted",
+            "t1",
+            "t1_measured_over_predicted_by_drafter",
+        )
+    }

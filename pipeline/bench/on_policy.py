@@ -37,8 +37,8 @@ from omegaconf import OmegaConf
 
 from pipeline.bench import BenchSettings
 from pipeline.config import Divergence
-from pipeline.evaluation.heldout import greedy_heldout_examples, stop_condition
 from pipeline.evaluation import teacher_forced
+from pipeline.evaluation.heldout import greedy_heldout_examples, stop_condition
 from pipeline.evaluation.teacher_forced import TeacherForced
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
@@ -52,9 +52,15 @@ from pipeline.training.data import Collator, finetune_examples, read_records
 PAIR = "de-en"
 ROUND_STEPS = 5
 HELDOUT_TOKENS = 64  # the target's greedy answer to each held-out prompt, at most
-REDUCED = ["data.max_train_prompts=120", "data.back_translation=0", "distill.temperatures=[0.0,1.0]",
-           "distill.max_tokens=96", "train.pretrain.token_budget=400000", "logger=none",
-           "paths.runs_dir=runs/bench/on_policy-stages"]
+REDUCED = [
+    "data.max_train_prompts=120",
+    "data.back_translation=0",
+    "distill.temperatures=[0.0,1.0]",
+    "distill.max_tokens=96",
+    "train.pretrain.token_budget=400000",
+    "logger=none",
+    "paths.runs_dir=runs/bench/on_policy-stages",
+]
 
 
 class BudgetSpent(Exception):
@@ -86,19 +92,40 @@ def run_arm(name, tc, sft_model, examples, collate, objective, held_out, budget_
 
     def evaluate(model) -> dict:
         spent["train_s"] += time.process_time() - clock[0]
-        curve.append({"cpu_minutes": round(spent["train_s"] / 60, 3), "positions": spent["positions"], **held_out(model)})
+        curve.append(
+            {"cpu_minutes": round(spent["train_s"] / 60, 3), "positions": spent["positions"], **held_out(model)}
+        )
         print(f"{name}: {curve[-1]}", flush=True)
         if spent["train_s"] >= budget_s:
             raise BudgetSpent
         clock[0] = time.process_time()
         return {}
 
-    arm = OmegaConf.merge(tc, {"max_steps": 100_000, "token_budget": None, "warmup_ratio": 0.0, "grad_accum": 1,
-                               "save_every": ROUND_STEPS, "log_every": ROUND_STEPS, "resume": "never"})
+    arm = OmegaConf.merge(
+        tc,
+        {
+            "max_steps": 100_000,
+            "token_budget": None,
+            "warmup_ratio": 0.0,
+            "grad_accum": 1,
+            "save_every": ROUND_STEPS,
+            "log_every": ROUND_STEPS,
+            "resume": "never",
+        },
+    )
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            loop.train(arm, model, examples, collate, Path(out_dir), lambda metrics, step: None, seed,
-                       objective=counted, evaluate=evaluate)
+            loop.train(
+                arm,
+                model,
+                examples,
+                collate,
+                Path(out_dir),
+                lambda metrics, step: None,
+                seed,
+                objective=counted,
+                evaluate=evaluate,
+            )
         except BudgetSpent:
             pass
     return curve, spent["positions"] / max(spent["train_s"], 1e-9), model
@@ -109,26 +136,40 @@ def scoring_cost(target, vocab, held_out) -> dict:
     """CPU seconds of the target's scoring of the held-out answers: its body over every token, the exact
     full output layer at the answer positions (what teacher_forced.score runs), and the map's rows alone (what
     an estimate of the outside mass would need)."""
+
     def cpu(fn) -> float:
         start = time.process_time()
         fn()
         return time.process_time() - start
 
     ids, mask = held_out.input_ids, held_out.attention_mask
-    body = lambda: target.base_model(input_ids=ids, attention_mask=mask,  # noqa: E731
-                                     position_ids=teacher_forced.position_ids(mask)).last_hidden_state
+
+    def body():
+        return target.base_model(
+            input_ids=ids, attention_mask=mask, position_ids=teacher_forced.position_ids(mask)
+        ).last_hidden_state
+
     body_s = cpu(body)
     full_s = cpu(lambda: teacher_forced.score(target, ids, mask, held_out.scored, vocab)) - body_s
     hidden, rows = body()[held_out.scored], target.get_output_embeddings().weight[vocab.target_ids]
     rows_s = cpu(lambda: [(chunk @ rows.T).logsumexp(-1) for chunk in hidden.split(teacher_forced.SCORE_CHUNK)])
-    return {"tokens": int(mask.sum()), "scored_positions": len(hidden), "body_cpu_s": round(body_s, 2),
-            "full_head_cpu_s": round(full_s, 2), "map_rows_head_cpu_s": round(rows_s, 2)}
+    return {
+        "tokens": int(mask.sum()),
+        "scored_positions": len(hidden),
+        "body_cpu_s": round(body_s, 2),
+        "full_head_cpu_s": round(full_s, 2),
+        "map_rows_head_cpu_s": round(rows_s, 2),
+    }
 
 
 def paired_gain(held_out, model, reference) -> dict:
     """The model's per-token gain over the reference drafter on the held-out tokens: mean and standard error."""
-    return {metric: mean_and_standard_error(ours - theirs) for metric, ours, theirs in zip(
-        ("t1_acceptance", "t0_agreement"), held_out.per_token(model), held_out.per_token(reference))}
+    return {
+        metric: mean_and_standard_error(ours - theirs)
+        for metric, ours, theirs in zip(
+            ("t1_acceptance", "t0_agreement"), held_out.per_token(model), held_out.per_token(reference)
+        )
+    }
 
 
 def plot(arms: dict, path: Path) -> bool:
@@ -140,8 +181,9 @@ def plot(arms: dict, path: Path) -> bool:
     except ImportError:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for axis, (key, label) in zip(axes, (("heldout_t1_acceptance", "T=1 expected acceptance"),
-                                         ("heldout_t0_agreement", "T=0 argmax agreement"))):
+    for axis, (key, label) in zip(
+        axes, (("heldout_t1_acceptance", "T=1 expected acceptance"), ("heldout_t0_agreement", "T=0 argmax agreement"))
+    ):
         for name, arm in arms.items():
             axis.plot([p["cpu_minutes"] for p in arm["curve"]], [p[key] for p in arm["curve"]], marker="o", label=name)
         axis.set(xlabel="CPU-minutes of training (all threads)", ylabel=label, title=f"{PAIR} held-out, teacher-forced")
@@ -163,35 +205,76 @@ def main(out_dir: Path, settings: BenchSettings) -> dict:
     sft_model, vocab = load_drafter(str(directory.path / "drafter"), target_path)
     records = [record for part in directory.inputs["distill"].parts for record in read_records(part.path / "records")]
     examples = finetune_examples(records, tokenizer, tc.max_length)
-    held_out = TeacherForced(target, vocab, greedy_heldout_examples(
-        cfg, target, tokenizer, int(os.environ.get("ON_POLICY_HELDOUT", "32")), HELDOUT_TOKENS), tokenizer.pad_token_id)
+    held_out = TeacherForced(
+        target,
+        vocab,
+        greedy_heldout_examples(cfg, target, tokenizer, int(os.environ.get("ON_POLICY_HELDOUT", "32")), HELDOUT_TOKENS),
+        tokenizer.pad_token_id,
+    )
     stops = on_policy.rollout_stop_ids(stop_condition(cfg.target, tokenizer, target))
 
     cost = scoring_cost(target, vocab, held_out)
     arms = {}
-    curve, rate, sft_final = run_arm("sft", tc, sft_model, examples, Collator(tokenizer.pad_token_id, vocab),
-                                     loop.supervised_objective(tc.loss), held_out, budget_s, cfg.seed)
-    arms["sft"] = {"curve": curve, "supervised_positions_per_cpu_s": round(rate, 1),
-                   "gain_over_start": paired_gain(held_out, sft_final, sft_model)}
+    curve, rate, sft_final = run_arm(
+        "sft",
+        tc,
+        sft_model,
+        examples,
+        Collator(tokenizer.pad_token_id, vocab),
+        loop.supervised_objective(tc.loss),
+        held_out,
+        budget_s,
+        cfg.seed,
+    )
+    arms["sft"] = {
+        "curve": curve,
+        "supervised_positions_per_cpu_s": round(rate, 1),
+        "gain_over_start": paired_gain(held_out, sft_final, sft_model),
+    }
     for divergence in Divergence:
         op_tc = OmegaConf.merge(on_policy.phase_config(tc), {"on_policy": {"divergence": divergence.value}})
-        objective = on_policy.OnPolicyObjective(op_tc.on_policy, target, vocab, stops, tokenizer.pad_token_id, tc.max_length)
-        curve, rate, model = run_arm(f"on_policy_{divergence.value}", op_tc, sft_model, examples,
-                                     Collator(tokenizer.pad_token_id, None), objective, held_out, budget_s, cfg.seed)
-        arms[f"on_policy_{divergence.value}"] = {"curve": curve, "supervised_positions_per_cpu_s": round(rate, 1),
-                                                 "gain_over_start": paired_gain(held_out, model, sft_model),
-                                                 "gain_over_sft_at_budget": paired_gain(held_out, model, sft_final)}
+        objective = on_policy.OnPolicyObjective(
+            op_tc.on_policy, target, vocab, stops, tokenizer.pad_token_id, tc.max_length
+        )
+        curve, rate, model = run_arm(
+            f"on_policy_{divergence.value}",
+            op_tc,
+            sft_model,
+            examples,
+            Collator(tokenizer.pad_token_id, None),
+            objective,
+            held_out,
+            budget_s,
+            cfg.seed,
+        )
+        arms[f"on_policy_{divergence.value}"] = {
+            "curve": curve,
+            "supervised_positions_per_cpu_s": round(rate, 1),
+            "gain_over_start": paired_gain(held_out, model, sft_model),
+            "gain_over_sft_at_budget": paired_gain(held_out, model, sft_final),
+        }
     k = cfg.eval.num_draft_tokens
     for arm in arms.values():  # tau predicted from the final per-token acceptances (i.i.d. over the K positions)
         final = arm["curve"][-1]
-        arm["predicted_tau_at_budget"] = {"T0": round(expected_tokens(final["heldout_t0_agreement"], k), 3),
-                                          "T1": round(expected_tokens(final["heldout_t1_acceptance"], k), 3)}
+        arm["predicted_tau_at_budget"] = {
+            "T0": round(expected_tokens(final["heldout_t0_agreement"], k), 3),
+            "T1": round(expected_tokens(final["heldout_t1_acceptance"], k), 3),
+        }
     result = {
-        "pair": PAIR, "drafter": cfg.drafter.name, "sft_drafter": str(directory.path / "drafter"),
-        "drafter_source": drafter_source, "examples": len(examples),
-        "heldout_prompts": len(held_out.input_ids), "heldout_tokens": int(held_out.scored.sum()),
-        "cpu_minutes_per_arm": budget_s / 60, "round_steps": ROUND_STEPS, "torch_threads": torch.get_num_threads(),
-        "on_policy": OmegaConf.to_container(tc.on_policy, enum_to_str=True), "sft_lr": tc.lr, "scoring_cost": cost, "arms": arms,
+        "pair": PAIR,
+        "drafter": cfg.drafter.name,
+        "sft_drafter": str(directory.path / "drafter"),
+        "drafter_source": drafter_source,
+        "examples": len(examples),
+        "heldout_prompts": len(held_out.input_ids),
+        "heldout_tokens": int(held_out.scored.sum()),
+        "cpu_minutes_per_arm": budget_s / 60,
+        "round_steps": ROUND_STEPS,
+        "torch_threads": torch.get_num_threads(),
+        "on_policy": OmegaConf.to_container(tc.on_policy, enum_to_str=True),
+        "sft_lr": tc.lr,
+        "scoring_cost": cost,
+        "arms": arms,
     }
     result["plot"] = str(out_dir / "on_policy.png") if plot(arms, out_dir / "on_policy.png") else None
     (out_dir / "on_policy.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -70,8 +70,12 @@ def equal_time_finetune(cfg, arm: list[str], name: str, seconds: float):
 def measure(cfg, finetune, arm: list[str], target_dtype: str):
     """An arm's eval: its finetuned folder as ``eval.drafter_path`` (the one eval whose target is its own), the
     target in ``target_dtype`` (the recipe's eval chose it by a noisy timing: a pair must not differ in it)."""
-    measured = [f"eval.drafter_path={finetune.path / 'drafter'}", f"target.dtype={target_dtype}",
-                "eval.dtype_candidates=[]", *EVAL]
+    measured = [
+        f"eval.drafter_path={finetune.path / 'drafter'}",
+        f"target.dtype={target_dtype}",
+        "eval.dtype_candidates=[]",
+        *EVAL,
+    ]
     return run_stage("eval", with_overrides(cfg, [*arm, *measured]))
 
 
@@ -90,13 +94,27 @@ def arm_summary(finetune, evaluation, overrides: list[str]) -> dict:
     for t_key, result in metrics["results"][PAIR].items():
         first_seed = next(iter(result["seeds"].values()))
         k = metrics["k_choice"].get(t_key, {}).get("speculative", {}).get("k", metrics["K"])
-        by_t[t_key] = {"K": k, "acceptance_per_position": first_seed["speculative"].get("acceptance_per_position"),
-                       **{method: {key: stats[key] for key in ("speedup", "tau", "alpha") if key in stats}
-                          for method, stats in result["summary"].items()}}
-    return {"overrides": overrides, "finetune": str(finetune.path), "eval": str(evaluation.path),
-            "train_time_s": counts["train_time_s"], "steps": counts["steps"], "parameters": counts["parameters"],
-            "costs": metrics["costs"], "k_sweep": metrics["k_sweep"], "lossless": metrics["lossless"],
-            "by_temperature": by_t, "summary": summary_of(metrics)}
+        by_t[t_key] = {
+            "K": k,
+            "acceptance_per_position": first_seed["speculative"].get("acceptance_per_position"),
+            **{
+                method: {key: stats[key] for key in ("speedup", "tau", "alpha") if key in stats}
+                for method, stats in result["summary"].items()
+            },
+        }
+    return {
+        "overrides": overrides,
+        "finetune": str(finetune.path),
+        "eval": str(evaluation.path),
+        "train_time_s": counts["train_time_s"],
+        "steps": counts["steps"],
+        "parameters": counts["parameters"],
+        "costs": metrics["costs"],
+        "k_sweep": metrics["k_sweep"],
+        "lossless": metrics["lossless"],
+        "by_temperature": by_t,
+        "summary": summary_of(metrics),
+    }
 
 
 def decodes(evaluation) -> dict:
@@ -105,7 +123,9 @@ def decodes(evaluation) -> dict:
     for row in read_jsonl(evaluation.path / "samples.jsonl"):
         target, spec = row["methods"]["target"], row["methods"]["speculative"]
         out[row["temperature"], row["seed"], row["id"]] = (
-            spec["tokens"] / max(spec["target_calls"], 1), speedup(spec, target))
+            spec["tokens"] / max(spec["target_calls"], 1),
+            speedup(spec, target),
+        )
     return out
 
 
@@ -116,8 +136,11 @@ def paired(arm, reference) -> dict:
     for t in sorted({key[0] for key in ours}):
         keys = [key for key in ours if key[0] == t and key in theirs]
         gains = torch.tensor([[a - b for a, b in zip(ours[key], theirs[key])] for key in keys], dtype=torch.float64)
-        out[f"T={t}"] = {"decodes": len(keys), "tau_gain": mean_and_standard_error(gains[:, 0]),
-                         "speedup_gain": mean_and_standard_error(gains[:, 1])}
+        out[f"T={t}"] = {
+            "decodes": len(keys),
+            "tau_gain": mean_and_standard_error(gains[:, 0]),
+            "speedup_gain": mean_and_standard_error(gains[:, 1]),
+        }
     return out
 
 
@@ -129,18 +152,30 @@ def main(out_dir, settings: BenchSettings) -> dict:
     reference = run_stage("finetune", cfg)
     seconds = manifest_counts(reference)["train_time_s"]
     target_dtype = json.loads((run_stage("eval", cfg).path / "metrics.json").read_text())["target_dtype"]
-    finetunes = {"autoregressive": (reference, [f"run={cfg.run}-autoregressive"]),
-                 "parallel": parallel_finetune(cfg, "parallel", k, seconds, [])}
+    finetunes = {
+        "autoregressive": (reference, [f"run={cfg.run}-autoregressive"]),
+        "parallel": parallel_finetune(cfg, "parallel", k, seconds, []),
+    }
     if layers := os.environ.get("PARALLEL_LARGER_LAYERS"):
-        finetunes["parallel_larger"] = parallel_finetune(cfg, f"parallel-{layers}layers", k, seconds,
-                                                         [f"drafter.num_layers={layers}"])
+        finetunes["parallel_larger"] = parallel_finetune(
+            cfg, f"parallel-{layers}layers", k, seconds, [f"drafter.num_layers={layers}"]
+        )
     # every arm's eval after all finetunes, back to back: speedups of evals an hour apart compare machine states
-    arms = {name: (finetune, measure(cfg, finetune, arm, target_dtype), arm)
-            for name, (finetune, arm) in finetunes.items()}
-    result = {"pair": PAIR, "recipe": settings.recipe, "cpu": cpu_model(), "parallel_k": k,
-              "target_dtype": target_dtype, "probe_steps": PROBE_STEPS, "time_tolerance": TIME_TOLERANCE,
-              "arms": {name: arm_summary(*dirs) for name, dirs in arms.items()},
-              "paired_vs_autoregressive": {name: paired(dirs[1], arms["autoregressive"][1])
-                                           for name, dirs in arms.items() if name != "autoregressive"}}
+    arms = {
+        name: (finetune, measure(cfg, finetune, arm, target_dtype), arm) for name, (finetune, arm) in finetunes.items()
+    }
+    result = {
+        "pair": PAIR,
+        "recipe": settings.recipe,
+        "cpu": cpu_model(),
+        "parallel_k": k,
+        "target_dtype": target_dtype,
+        "probe_steps": PROBE_STEPS,
+        "time_tolerance": TIME_TOLERANCE,
+        "arms": {name: arm_summary(*dirs) for name, dirs in arms.items()},
+        "paired_vs_autoregressive": {
+            name: paired(dirs[1], arms["autoregressive"][1]) for name, dirs in arms.items() if name != "autoregressive"
+        },
+    }
     (out_dir / "parallel.json").write_text(json.dumps(result, indent=2) + "\n")
     return {name: arm["summary"] for name, arm in result["arms"].items()}

@@ -36,18 +36,19 @@ QUANTILES = [0.5, 0.99, 0.999, 1.0]
 WHAT = {
     "positions": "answer positions (tokens of the target-only greedy answers) over all prompts",
     "a / b / c": "teacher-forced logits: a one token per cached forward (target-only decoding), b chunks of "
-                 "K+1 after the prompt (verify rounds), c one forward without cache",
-    "gap_shift_quantiles": "|(l[i1]-l[i2]) under b or c - the same under a|, i1, i2 = a's top-2 ids; quantile 1.0 = max",
+    "K+1 after the prompt (verify rounds), c one forward without cache",
+    "gap_shift_quantiles": "|(l[i1]-l[i2]) under b or c - the same under a|, i1, i2 = a's top-2 ids; "
+    "quantile 1.0 = max",
     "top5_max_abs_diff_quantiles": "max |l_a - l_b| (or c) over a's top-5 ids, per position",
     "argmax_flips / gaps_at_flips": "positions where b's (c's) argmax is not a's, and a's top-2 gap there",
     "share_of_positions_with_gap_below": "share of positions whose a top-2 gap is < t: what tolerance t would "
-                                         "forgive if a real bug changed the token there (its price)",
+    "forgive if a real bug changed the token there (its price)",
     "gap_quantiles": "low quantiles of a's top-2 gap",
     "bf16_spacing_at_top1_median": "bfloat16 spacing (ulp) at the median |top-1 logit|",
     "incremental_argmax_differs_from_generate": "sanity check: a's argmax vs the generated tokens (should be 0)",
     "speculative_pld": "bf16 greedy speculative decoding (prompt lookup, K=4) vs target-only: first diverging "
-                       "position, the target's top-2 gap there from one fresh full forward over prompt + "
-                       "reference[:position] and from a, and whether the speculative token is the fresh 2nd choice",
+    "position, the target's top-2 gap there from one fresh full forward over prompt + "
+    "reference[:position] and from a, and whether the speculative token is the fresh 2nd choice",
     "seconds": "wall time of the whole benchmark",
 }
 
@@ -68,7 +69,8 @@ def teacher_forced(model, ids: torch.Tensor, answer: torch.Tensor) -> dict[str, 
 
 
 def compare(logits: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per answer position: (a)'s top-2 gap and top-1 logit; for b and c the gap shift, argmax flip, top-5 max |diff|."""
+    """Per answer position: (a)'s top-2 gap and top-1 logit; for b and c the gap shift, argmax flip, top-5 max
+    |diff|."""
     a = logits["a"]
     top5 = a.topk(5, dim=-1).indices
     i1, i2 = top5[:, :1], top5[:, 1:2]
@@ -90,10 +92,12 @@ def summary(stats: dict[str, torch.Tensor]) -> dict:
     out = {"positions": len(gap), "top1_logit_abs_median": round(top1, 3), "bf16_spacing_at_top1_median": spacing}
     for way in ("b", "c"):
         flips = stats[f"flip_{way}"]
-        out[way] = {"gap_shift_quantiles": quantile(stats[f"shift_{way}"]),
-                    "top5_max_abs_diff_quantiles": quantile(stats[f"top5_diff_{way}"]),
-                    "argmax_flips": int(flips.sum()),
-                    "gaps_at_flips": sorted(round(float(g), 5) for g in gap[flips])}
+        out[way] = {
+            "gap_shift_quantiles": quantile(stats[f"shift_{way}"]),
+            "top5_max_abs_diff_quantiles": quantile(stats[f"top5_diff_{way}"]),
+            "argmax_flips": int(flips.sum()),
+            "gaps_at_flips": sorted(round(float(g), 5) for g in gap[flips]),
+        }
     out["share_of_positions_with_gap_below"] = {str(t): round(float((gap < t).float().mean()), 5) for t in TOLERANCES}
     out["gap_quantiles"] = {str(q): round(float(torch.quantile(gap, q)), 5) for q in (0.001, 0.01, 0.05, 0.5)}
     return out
@@ -106,10 +110,13 @@ def divergence(model, ids: torch.Tensor, reference: list[int], spec: list[int], 
     prefix = torch.cat([ids, torch.tensor([reference[:pos]], dtype=ids.dtype, device=ids.device)], dim=1)
     best = model(input_ids=prefix, use_cache=False, logits_to_keep=1).logits[0, -1].float().topk(2)
     second = int(best.indices[1])
-    return {"position": pos, "answer_length": len(reference),
-            "gap_fresh_full_forward": round(float(best.values[0] - best.values[1]), 5),
-            "gap_incremental": round(float(gap_a[pos]), 5) if pos < len(reference) else None,
-            "spec_token_is_fresh_2nd": pos < len(spec) and second == spec[pos]}
+    return {
+        "position": pos,
+        "answer_length": len(reference),
+        "gap_fresh_full_forward": round(float(best.values[0] - best.values[1]), 5),
+        "gap_incremental": round(float(gap_a[pos]), 5) if pos < len(reference) else None,
+        "spec_token_is_fresh_2nd": pos < len(spec) and second == spec[pos],
+    }
 
 
 @torch.inference_mode()
@@ -117,8 +124,13 @@ def main(out_dir: Path, settings: BenchSettings) -> dict:
     started = time.monotonic()
     cfg, device, path, tokenizer = settings.target(f"lang={PAIR}")
     prompts = heldout_ids(cfg, tokenizer, device, NUM_PROMPTS)
-    result = {"pair": PAIR, "prompts": len(prompts), "max_new_tokens": MAX_NEW_TOKENS, "k": K,
-              "environment": environment(device)}
+    result = {
+        "pair": PAIR,
+        "prompts": len(prompts),
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "k": K,
+        "environment": environment(device),
+    }
     for dtype in ("bfloat16", "float32"):
         model = load_model(path, dtype, device)
         stop = stop_condition(cfg.target, tokenizer, model)

@@ -38,25 +38,44 @@ ROUNDS = 2
 def timed(train) -> dict:
     wall, cpu = time.monotonic(), time.process_time()
     tokens = train()
-    return {"tokens_per_s": tokens / (time.monotonic() - wall), "tokens_per_cpu_s": tokens / (time.process_time() - cpu)}
+    return {
+        "tokens_per_s": tokens / (time.monotonic() - wall),
+        "tokens_per_cpu_s": tokens / (time.process_time() - cpu),
+    }
 
 
 def ours(cfg, tc, target_path, vocab, examples, collate) -> dict:
     model, _ = build_drafter(cfg.drafter, target_path, vocab, cfg.seed)
     tc = OmegaConf.merge(tc, {"max_steps": STEPS, "log_every": STEPS, "save_every": 10 * STEPS})
     with tempfile.TemporaryDirectory() as out_dir:
-        return timed(lambda: loop.train(
-            tc, model, examples, collate, Path(out_dir), lambda metrics, step: None, cfg.seed).summary["tokens_seen"])
+        return timed(
+            lambda: loop.train(
+                tc, model, examples, collate, Path(out_dir), lambda metrics, step: None, cfg.seed
+            ).summary["tokens_seen"]
+        )
 
 
 def trainer(cfg, tc, target_path, vocab, examples, collate) -> dict:
     model, _ = build_drafter(cfg.drafter, target_path, vocab, cfg.seed)
     with tempfile.TemporaryDirectory() as out_dir:
         args = TrainingArguments(
-            output_dir=out_dir, per_device_train_batch_size=tc.batch_size, max_steps=STEPS, learning_rate=tc.lr,
-            lr_scheduler_type="cosine", warmup_steps=tc.warmup_ratio, max_grad_norm=tc.grad_clip,  # < 1: a ratio
-            weight_decay=tc.weight_decay, logging_steps=STEPS, save_steps=STEPS, report_to=[], use_cpu=not torch.cuda.is_available(),
-            dataloader_num_workers=0, seed=cfg.seed, disable_tqdm=True, bf16=tc.mixed_precision == "bf16", fp16=tc.mixed_precision == "fp16",
+            output_dir=out_dir,
+            per_device_train_batch_size=tc.batch_size,
+            max_steps=STEPS,
+            learning_rate=tc.lr,
+            lr_scheduler_type="cosine",
+            warmup_steps=tc.warmup_ratio,
+            max_grad_norm=tc.grad_clip,  # < 1: a ratio
+            weight_decay=tc.weight_decay,
+            logging_steps=STEPS,
+            save_steps=STEPS,
+            report_to=[],
+            use_cpu=not torch.cuda.is_available(),
+            dataloader_num_workers=0,
+            seed=cfg.seed,
+            disable_tqdm=True,
+            bf16=tc.mixed_precision == "bf16",
+            fp16=tc.mixed_precision == "fp16",
         )
 
         def train() -> int:  # like ours: set-up included, one checkpoint at the end
@@ -75,7 +94,9 @@ def main(out_dir: Path, settings: BenchSettings) -> dict:
     tokenizer = load_tokenizer(target_path)
     tokens, starts = pretrain_tokens(cfg, tokenizer, max_tokens=STEPS * tc.batch_size * tc.max_length * 2)
     examples = pack(tokens, starts, tc.max_length)
-    vocab = reduced_vocab(cfg.drafter, token_counts(examples, AutoConfig.from_pretrained(target_path).vocab_size), tokenizer)
+    vocab = reduced_vocab(
+        cfg.drafter, token_counts(examples, AutoConfig.from_pretrained(target_path).vocab_size), tokenizer
+    )
     collate = Collator(tokenizer.pad_token_id, vocab)
 
     rounds = {"ours": [], "trainer": []}

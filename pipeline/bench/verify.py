@@ -51,10 +51,17 @@ def main(out_dir: Path, settings: BenchSettings) -> dict:
     models |= {dtype: load_model(path, dtype, device) for dtype in ("bfloat16", "float16")}
     seconds = forward_seconds(models, ids, NS, REPETITIONS)
     native = half_precision_dtypes(device)
-    result = {"pair": PAIR, "context_tokens": ids.shape[1], "environment": environment(device),
-              "native_half_precision": native, "candidates": {}}
-    print(f"forward over n new tokens after a {ids.shape[1]}-token prompt, median ms "
-          f"({result['environment']['cpu']}, {device}):")
+    result = {
+        "pair": PAIR,
+        "context_tokens": ids.shape[1],
+        "environment": environment(device),
+        "native_half_precision": native,
+        "candidates": {},
+    }
+    print(
+        f"forward over n new tokens after a {ids.shape[1]}-token prompt, median ms "
+        f"({result['environment']['cpu']}, {device}):"
+    )
     print(f"{'candidate':22s}" + "".join(f"{'n=' + str(n):>8s}" for n in NS) + "   v(4)   head n=1 -> 5")
     for name, by_n in seconds.items():
         model = models[name]
@@ -63,11 +70,14 @@ def main(out_dir: Path, settings: BenchSettings) -> dict:
             "native": name.startswith("float32") or name in native,
             "ms": {n: round(1000 * s, 2) for n, s in by_n.items()},
             "v": {n - 1: round(s / by_n[1], 3) for n, s in by_n.items() if n > 1},
-            "output_layer_ms": {n: round(ms, 2) for n, ms in head.items()}}
+            "output_layer_ms": {n: round(ms, 2) for n, ms in head.items()},
+        }
         row = result["candidates"][name]
-        print(f"{name + ('' if row['native'] else ' (emulated)'):22s}"
-              + "".join(f"{row['ms'][n]:8.1f}" for n in NS)
-              + f"   {row['v'][4]:.2f}   {head[1]:.1f} -> {head[5]:.1f}")
+        print(
+            f"{name + ('' if row['native'] else ' (emulated)'):22s}"
+            + "".join(f"{row['ms'][n]:8.1f}" for n in NS)
+            + f"   {row['v'][4]:.2f}   {head[1]:.1f} -> {head[5]:.1f}"
+        )
     result["seconds"] = round(time.monotonic() - started, 1)
     (out_dir / "verify.json").write_text(json.dumps(result, indent=2) + "\n")
     return {name: {"v(4)": row["v"][4], "step_ms": row["ms"][1]} for name, row in result["candidates"].items()}

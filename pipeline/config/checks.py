@@ -24,8 +24,16 @@ from pipeline.config.schemas import (
 
 RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 # The sections with checks of their own, by key.
-SECTIONS = {"target": TargetConfig, "drafter": DrafterConfig, "data": DataConfig, "distill": DistillConfig,
-            "train": TrainGroupConfig, "eval": EvalConfig, "export": ExportConfig, "scaling": ScalingConfig}
+SECTIONS = {
+    "target": TargetConfig,
+    "drafter": DrafterConfig,
+    "data": DataConfig,
+    "distill": DistillConfig,
+    "train": TrainGroupConfig,
+    "eval": EvalConfig,
+    "export": ExportConfig,
+    "scaling": ScalingConfig,
+}
 
 
 def validate(cfg: DictConfig) -> None:
@@ -66,11 +74,14 @@ def _across_sections(cfg: DictConfig) -> list[str]:
     data, distill = cfg.data, cfg.distill
     # back-translation's own checks (DataConfig.check) pass: a count > 0 of offline sources
     if data.back_translation > 0 and data.sources == SourceKind.offline and not cfg.lang.examples:
-        problems.append(f"data.back_translation needs worked examples: conf/lang/{cfg.lang.pair}.yaml has no "
-                        "`examples`")
+        problems.append(
+            f"data.back_translation needs worked examples: conf/lang/{cfg.lang.pair}.yaml has no `examples`"
+        )
     if data.sources == SourceKind.hub and not (cfg.lang.hub.dataset or cfg.lang.hub.file):
         problems.append(f"lang {cfg.lang.pair} has no hub dataset; use data.sources=offline or data.sources=file")
     if 1 < distill.num_shards and 0 <= distill.shard < distill.num_shards and data.back_translation:
-        problems.append("distill.num_shards > 1 needs data.back_translation=0: back-translated prompts are chosen "
-                        "over the whole prompt set, which no shard sees")
+        problems.append(
+            "distill.num_shards > 1 needs data.back_translation=0: back-translated prompts are chosen "
+            "over the whole prompt set, which no shard sees"
+        )
     return problems

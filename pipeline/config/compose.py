@@ -88,8 +88,9 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     recipe_file = option_file("recipe", recipe)
     # where Hydra finds the recipes a recipe extends and the group files: the user's directory first
     user = user_config_dir()
-    search = [folder for folder in (*([user / "recipes", user] if user else []), RECIPES_DIR, CONF_DIR)
-              if folder.is_dir()]  # Hydra warns, in two lines, of each missing one
+    search = [
+        folder for folder in (*([user / "recipes", user] if user else []), RECIPES_DIR, CONF_DIR) if folder.is_dir()
+    ]  # Hydra warns, in two lines, of each missing one
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(recipe_file.parent), version_base="1.3"):
@@ -101,14 +102,14 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
         raise ConfigError(_one_line(exc)) from exc
     except OverrideParseException as exc:
         reason = [line for line in exc.message.splitlines() if not line.startswith("See https")][-1]
-        raise ConfigError(f"override '{exc.override}' does not parse ({reason}); write KEY=VALUE, a list as "
-                          "KEY=[a,b] quoted for the shell (https://hydra.cc/docs/advanced/override_grammar/basic)"
-                          ) from exc
+        raise ConfigError(
+            f"override '{exc.override}' does not parse ({reason}); write KEY=VALUE, a list as "
+            "KEY=[a,b] quoted for the shell (https://hydra.cc/docs/advanced/override_grammar/basic)"
+        ) from exc
     except yaml.YAMLError as exc:  # a config file that is not YAML (a user's --config-dir one, most likely)
         mark = getattr(exc, "problem_mark", None)
         where = f"{mark.name}:{mark.line + 1}" if mark else "a config file"
-        raise ConfigError(f"{where}: not valid YAML ({getattr(exc, 'problem', None) or exc}); fix that line"
-                          ) from exc
+        raise ConfigError(f"{where}: not valid YAML ({getattr(exc, 'problem', None) or exc}); fix that line") from exc
     finally:
         GlobalHydra.instance().clear()
     cfg.overrides = command_overrides(overrides)

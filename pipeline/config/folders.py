@@ -27,8 +27,10 @@ def user_config_dir() -> Path | None:
         return None
     path = Path(value).expanduser().resolve()
     if not path.is_dir():
-        raise ConfigError(f"config directory {value} ({USER_CONFIG_ENV} or --config-dir) does not exist; "
-                          "create it with the layout of conf/ (target/, lang/, ..., recipes/) or unset it")
+        raise ConfigError(
+            f"config directory {value} ({USER_CONFIG_ENV} or --config-dir) does not exist; "
+            "create it with the layout of conf/ (target/, lang/, ..., recipes/) or unset it"
+        )
     return path
 
 
@@ -60,5 +62,7 @@ def check_choice(group: str, choice: str) -> None:
     valid = options(group)
     if choice not in valid:
         hint = " (LANG=… on the make command line)" if group == "lang" else ""
-        raise ConfigError(f"unknown {group} '{choice}'{hint}; valid: {', '.join(valid)}; "
-                          f"or write your own as DIR/{_user_folder(group)}/{choice}.yaml and pass --config-dir DIR")
+        raise ConfigError(
+            f"unknown {group} '{choice}'{hint}; valid: {', '.join(valid)}; "
+            f"or write your own as DIR/{_user_folder(group)}/{choice}.yaml and pass --config-dir DIR"
+        )

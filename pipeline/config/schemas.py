@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import MISSING, DictConfig
 
@@ -119,9 +119,9 @@ class TargetConfig:
     name: str = MISSING  # short id, used in run-directory paths
     source: ModelSource = MISSING
     path: str = MISSING  # hub id, local folder, or (gguf_package) the import name of the package
-    gguf_file: Optional[str] = None  # file inside the package; None: the package's single .gguf
-    gguf_sha256: Optional[str] = None  # the GGUF file's sha256, checked before converting (None: unchecked)
-    revision: Optional[str] = None  # hub revision (branch, tag or commit) of a hub target
+    gguf_file: str | None = None  # file inside the package; None: the package's single .gguf
+    gguf_sha256: str | None = None  # the GGUF file's sha256, checked before converting (None: unchecked)
+    revision: str | None = None  # hub revision (branch, tag or commit) of a hub target
     # weights' dtype in eval and (unless distill.server.dtype) in vLLM: float32 | bfloat16 | float16
     dtype: str = "float32"
     prompt_format: PromptFormat = PromptFormat.completion
@@ -129,11 +129,11 @@ class TargetConfig:
     instruction: str = "Translate {src_name} to {tgt_name}: {text}"
     # completion prompts: appended after the instruction, the answer follows it
     completion_suffix: str = "\n{tgt_name}:"
-    system_prompt: Optional[str] = None  # chat prompts: a system turn before the request (None: none)
-    chat_template: Optional[str] = None  # overrides the tokenizer's (Vicuna ships none)
-    stop: Optional[list[str]] = None  # stop strings; None: a newline for completion prompts, none for chat
+    system_prompt: str | None = None  # chat prompts: a system turn before the request (None: none)
+    chat_template: str | None = None  # overrides the tokenizer's (Vicuna ships none)
+    stop: list[str] | None = None  # stop strings; None: a newline for completion prompts, none for chat
     stop_tokens: list[str] = field(default_factory=list)  # special tokens that end an answer besides EOS
-    add_bos_token: Optional[bool] = None  # force the converted tokenizer to add BOS (Gemma needs it)
+    add_bos_token: bool | None = None  # force the converted tokenizer to add BOS (Gemma needs it)
     max_model_len: int = 2048  # context length vLLM serves (--max-model-len)
     # dry runs: a tiny random-init model of this architecture, with the real tokenizer, replaces the weights
     stand_in: bool = False
@@ -147,24 +147,24 @@ class TargetConfig:
 class DrafterConfig:
     name: str = MISSING  # short id, used in run-directory paths
     source: ModelSource = ModelSource.init
-    path: Optional[str] = None  # for hub/local drafters
+    path: str | None = None  # for hub/local drafters
     architecture: str = "llama"  # transformers model_type used when source=init
     hidden_size: int = 256  # source=init: width
     num_layers: int = 2  # source=init: transformer layers
     num_heads: int = 4  # source=init: attention heads
-    num_kv_heads: Optional[int] = None  # source=init: key/value heads (None: num_heads)
-    head_dim: Optional[int] = None  # source=init: per-head width (None: hidden_size / num_heads)
+    num_kv_heads: int | None = None  # source=init: key/value heads (None: num_heads)
+    head_dim: int | None = None  # source=init: per-head width (None: hidden_size / num_heads)
     intermediate_size: int = 1024  # source=init: MLP width
     hidden_act: str = "silu"  # source=init: MLP activation
     rms_norm_eps: float = 1e-6  # source=init: RMSNorm epsilon
     max_position_embeddings: int = 2048  # source=init: longest sequence
     tie_word_embeddings: bool = True  # source=init: the output layer shares the embedding matrix
     # Predict only the N most frequent target token ids of the training data (None: full vocab).
-    reduced_vocab: Optional[int] = None
+    reduced_vocab: int | None = None
     # source=init: embedding rows start from the target's own, projected to hidden_size (principal directions)
     embeddings_from_target: bool = False
     # source=init: start this shape from these weights (hub id or folder; paper-vicuna: double7/vicuna-68m), not random
-    init_from: Optional[str] = None
+    init_from: str | None = None
 
     @staticmethod
     def check(section: DictConfig, key: str) -> list[str]:
@@ -174,11 +174,14 @@ class DrafterConfig:
         if d.num_kv_heads is not None and d.num_heads % d.num_kv_heads:
             problems.append(f"{key}.num_heads {d.num_heads} is not divisible by {key}.num_kv_heads {d.num_kv_heads}")
         if d.embeddings_from_target and d.source != ModelSource.init:
-            problems.append(f"{key}.embeddings_from_target starts new weights: it needs {key}.source=init, "
-                            f"not {d.source.value}")
+            problems.append(
+                f"{key}.embeddings_from_target starts new weights: it needs {key}.source=init, not {d.source.value}"
+            )
         if d.init_from and (d.source != ModelSource.init or d.reduced_vocab is not None):
-            problems.append(f"{key}.init_from starts a source=init drafter of the full vocabulary from published "
-                            f"weights; unset {key}.reduced_vocab and use {key}.source=init, or drop init_from")
+            problems.append(
+                f"{key}.init_from starts a source=init drafter of the full vocabulary from published "
+                f"weights; unset {key}.reduced_vocab and use {key}.source=init, or drop init_from"
+            )
         if d.source in (ModelSource.hub, ModelSource.local) and not d.path:
             problems.append(f"{key}.source={d.source.value} needs {key}.path")
         return problems
@@ -186,14 +189,14 @@ class DrafterConfig:
 
 @dataclass
 class HubSourceConfig:
-    dataset: Optional[str] = None  # e.g. wmt/wmt16
-    subset: Optional[str] = None  # e.g. de-en
+    dataset: str | None = None  # e.g. wmt/wmt16
+    subset: str | None = None  # e.g. de-en
     split: str = "train"  # the training prompts' split
-    heldout_split: Optional[str] = None  # the held-out prompts' split; None: test, else validation (wmt19 zh-en)
-    file: Optional[str] = None  # for languages distributed outside the hub (JParaCrawl)
+    heldout_split: str | None = None  # the held-out prompts' split; None: test, else validation (wmt19 zh-en)
+    file: str | None = None  # for languages distributed outside the hub (JParaCrawl)
     # a TSV file's 0-based columns of the source and the reference (None: src<TAB>ref)
-    src_column: Optional[int] = None
-    ref_column: Optional[int] = None  # see src_column
+    src_column: int | None = None
+    ref_column: int | None = None  # see src_column
 
 
 @dataclass
@@ -218,26 +221,26 @@ class LangConfig:
 class CorpusConfig:
     name: str = MISSING  # sharegpt | c4
     weight: float = 1.0  # share of the pretraining TOKENS while the corpus lasts (mixed by tokens)
-    hub_dataset: Optional[str] = None  # c4: allenai/c4 (streaming)
-    hub_subset: Optional[str] = None  # c4: en
+    hub_dataset: str | None = None  # c4: allenai/c4 (streaming)
+    hub_subset: str | None = None  # c4: en
 
 
 @dataclass
 class DataConfig:
     sources: SourceKind = SourceKind.offline
-    source_file: Optional[str] = None  # for sources=file: JSONL {"src":..,"ref":..} or TSV src<TAB>ref
+    source_file: str | None = None  # for sources=file: JSONL {"src":..,"ref":..} or TSV src<TAB>ref
     min_chars: int = 20  # shortest source segment kept
     max_chars: int = 400  # longest source segment kept
     # offline and file sources (hub ones have a held-out split): share of the prompts held out
     heldout_fraction: float = 0.15
     heldout_max: int = 100  # at most this many held-out prompts
-    max_train_prompts: Optional[int] = None  # cap on training prompts (None: all)
+    max_train_prompts: int | None = None  # cap on training prompts (None: all)
     # offline sources: this many ShareGPT segments in the target language, translated into the source
     # language by the target itself (pipeline/data/back_translation.py), become extra training prompts
     back_translation: int = 0
     # pretraining mixture (c4, sharegpt), mixed by tokens at their weights; an exhausted corpus leaves the rest to go on
     pretrain_corpora: list[CorpusConfig] = field(default_factory=lambda: [CorpusConfig(name="sharegpt")])
-    pretrain_max_documents: Optional[int] = None  # cap on pretraining documents (None: the token budget decides)
+    pretrain_max_documents: int | None = None  # cap on pretraining documents (None: the token budget decides)
 
     @staticmethod
     def check(section: DictConfig, key: str) -> list[str]:
@@ -258,15 +261,15 @@ class DataConfig:
 @dataclass
 class ServerConfig:
     # an external OpenAI-compatible endpoint (its key from $OPENAI_API_KEY); None: start vLLM here
-    url: Optional[str] = None
+    url: str | None = None
     startup_timeout_s: float = 600.0  # how long to wait for the local vLLM server
     # None: target.dtype (vLLM's auto would serve float32 and float16 configs in half precision)
-    dtype: Optional[str] = None
+    dtype: str | None = None
     tensor_parallel: int = 1  # GPUs per replica (--tensor-parallel-size): a target larger than one GPU
     # distill's replicas (vLLM's --data-parallel-size, one endpoint balancing requests over them; the vLLM eval runs
     # one); auto: visible GPUs // tensor_parallel, 1 without a GPU (external distill.server.url: give its count)
     data_parallel: Any = "auto"
-    port: Optional[int] = None  # preferred port of the local server; None (or taken): a free one
+    port: int | None = None  # preferred port of the local server; None (or taken): a free one
     cpu_kvcache_gb: int = 2  # VLLM_CPU_KVCACHE_SPACE of the CPU build
     enforce_eager: bool = True  # no graph capture: right on CPU; GPU recipes set false for CUDA graphs
     extra_args: list[str] = field(default_factory=list)  # more vllm serve arguments
@@ -305,13 +308,16 @@ class DistillConfig:
     def check(section: DictConfig, key: str) -> list[str]:
         problems = []
         if not 0 <= section.max_failed_share < 1:
-            problems.append(f"{key}.max_failed_share must be in [0, 1): the share of records a complete distill "
-                            "may lack")
+            problems.append(
+                f"{key}.max_failed_share must be in [0, 1): the share of records a complete distill may lack"
+            )
         if section.concurrency_per_replica < 1:
             problems.append(f"{key}.concurrency_per_replica must be >= 1")
         if section.num_shards < 1 or not 0 <= section.shard < section.num_shards:
-            problems.append(f"{key}.shard={section.shard} of {key}.num_shards={section.num_shards}: "
-                            "need num_shards >= 1 and 0 <= shard < num_shards")
+            problems.append(
+                f"{key}.shard={section.shard} of {key}.num_shards={section.num_shards}: "
+                "need num_shards >= 1 and 0 <= shard < num_shards"
+            )
         return problems + ServerConfig.check(section.server, f"{key}.server")
 
 
@@ -319,6 +325,7 @@ class DistillConfig:
 class ParallelDraftConfig:
     """Parallel drafting (PARD, pipeline/training/parallel_draft.py): the drafter learns to propose k tokens in one
     forward, from the context followed by k - 1 mask tokens; eval and vLLM then draft K <= k tokens per forward."""
+
     enabled: bool = False  # train the drafter to draft in parallel (off: autoregressive drafting, as before)
     k: int = 8  # draft positions learned: the largest K the drafter serves
     # conditional drop: mask segment i (1..k-1) keeps a share max(retention^i, min_retention) of the positions
@@ -327,7 +334,7 @@ class ParallelDraftConfig:
     min_retention: float = 0.2  # the share every later mask segment keeps at least
     # the mask token of a full-vocabulary drafter: a target id the data never uses (None: the tokenizer's unk, an
     # unused special token or a padding row); a reduced vocabulary's gets an id of its own
-    mask_token: Optional[int] = None
+    mask_token: int | None = None
 
     @staticmethod
     def check(section: DictConfig, key: str) -> list[str]:
@@ -345,10 +352,10 @@ class TrainConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     warmup_ratio: float = 0.03  # share of the steps spent warming up linearly
     epochs: float = 1.0  # passes over the data
-    max_steps: Optional[int] = None  # cap on optimizer steps (None: epochs and token_budget decide)
+    max_steps: int | None = None  # cap on optimizer steps (None: epochs and token_budget decide)
     # tokens read and trained on: pretraining reads this many from its corpora; caps steps at
     # budget / (batch_size * max_length)
-    token_budget: Optional[int] = None
+    token_budget: int | None = None
     batch_size: int = 8  # sequences per optimizer step over ALL processes: split into grad_accum x num_processes
     grad_accum: int = 1  # micro-batches per optimizer step
     max_length: int = 512  # tokens per training sequence
@@ -371,14 +378,17 @@ class TrainConfig:
         if not _positive_or_auto(tc.num_processes):
             problems.append(f"{key}.num_processes must be a positive integer or auto, not {tc.num_processes}")
         elif tc.num_processes != "auto" and tc.batch_size % (tc.grad_accum * tc.num_processes):
-            problems.append(f"{key}.batch_size {tc.batch_size} (global) must be divisible by "
-                            f"grad_accum x num_processes = {tc.grad_accum * tc.num_processes}")
+            problems.append(
+                f"{key}.batch_size {tc.batch_size} (global) must be divisible by "
+                f"grad_accum x num_processes = {tc.grad_accum * tc.num_processes}"
+            )
         return problems
 
 
 @dataclass
 class OnPolicyConfig:
     """On-policy alignment after SFT (pipeline/training/on_policy.py): the drafter drafts, the target scores."""
+
     # run the phase after SFT (off: it did not pay on CPU, docs/results/2026-11-24-on-policy-de-en.md)
     enabled: bool = False
     # each: steps_per_round rollout -> score -> train steps, then a checkpoint and the held-out estimate
@@ -397,8 +407,9 @@ class OnPolicyConfig:
     def check(section: DictConfig, key: str) -> list[str]:
         op, problems = section, []
         if op.enabled and min(op.rounds, op.steps_per_round, op.batch_size, op.rollout_tokens, op.heldout_prompts) < 1:
-            problems.append(f"{key}: rounds, steps_per_round, batch_size, rollout_tokens and heldout_prompts must be "
-                            ">= 1")
+            problems.append(
+                f"{key}: rounds, steps_per_round, batch_size, rollout_tokens and heldout_prompts must be >= 1"
+            )
         if op.rollout_temperature < 0:
             problems.append(f"{key}.rollout_temperature must be >= 0")
         return problems
@@ -424,8 +435,10 @@ class FinetuneConfig(TrainConfig):
     def check(section: DictConfig, key: str) -> list[str]:
         problems = TrainConfig.check(section, key)
         if section.parallel_draft.enabled and section.on_policy.enabled:
-            problems.append(f"{key}.on_policy aligns an autoregressive drafter's rollouts; it does not train "
-                            "parallel drafting: turn one of them off")
+            problems.append(
+                f"{key}.on_policy aligns an autoregressive drafter's rollouts; it does not train "
+                "parallel drafting: turn one of them off"
+            )
         if not 0 < section.data_fraction <= 1:
             problems.append(f"{key}.data_fraction must be in (0, 1]: the share of the distilled prompts trained on")
         return problems + OnPolicyConfig.check(section.on_policy, f"{key}.on_policy")
@@ -438,8 +451,9 @@ class TrainGroupConfig:
 
     @staticmethod
     def check(section: DictConfig, key: str) -> list[str]:
-        return (TrainConfig.check(section.pretrain, f"{key}.pretrain")
-                + FinetuneConfig.check(section.finetune, f"{key}.finetune"))
+        return TrainConfig.check(section.pretrain, f"{key}.pretrain") + FinetuneConfig.check(
+            section.finetune, f"{key}.finetune"
+        )
 
 
 @dataclass
@@ -457,7 +471,7 @@ class EvalConfig:
     repetitions: int = 3  # timed repetitions per method
     warmup: int = 1  # untimed runs before timing
     methods: list[EvalMethod] = field(default_factory=lambda: list(EvalMethod))  # the decoding methods timed
-    drafter_path: Optional[str] = None  # any HF folder instead of the finetune stage's drafter
+    drafter_path: str | None = None  # any HF folder instead of the finetune stage's drafter
     matrix_langs: list[str] = field(default_factory=list)  # cross-language: evaluate on these pairs too
     # language router: a `mixed` set of these pairs' held-out prompts, each drafted by the finetuned drafter
     # of its detected source language, against the one eval drafter for all
@@ -489,17 +503,21 @@ class EvalConfig:
         if not _positive_or_auto(ev.processes):
             problems.append(f"{key}.processes must be a positive integer or auto, not {ev.processes}")
         if unknown := [d for d in ev.dtype_candidates if d not in ("bfloat16", "float16")]:
-            problems.append(f"{key}.dtype_candidates: {', '.join(map(str, unknown))} not a half-precision dtype; "
-                            "valid: bfloat16, float16")
+            problems.append(
+                f"{key}.dtype_candidates: {', '.join(map(str, unknown))} not a half-precision dtype; "
+                "valid: bfloat16, float16"
+            )
         if ev.tie_tolerance < 0:
             problems.append(f"{key}.tie_tolerance must be >= 0 (a top-2 logit gap)")
         if not 0 <= ev.draft_confidence < 1:
-            problems.append(f"{key}.draft_confidence must be in [0, 1): the drafter probability below which a draft "
-                            "stops")
+            problems.append(
+                f"{key}.draft_confidence must be in [0, 1): the drafter probability below which a draft stops"
+            )
         sources = [pair.split("-")[0] for pair in ev.router_langs]
         if ev.router_langs and (len(sources) < 2 or len(set(sources)) < len(sources)):
-            problems.append(f"{key}.router_langs needs two or more pairs with different source languages, "
-                            "e.g. [de-en,fr-en]")
+            problems.append(
+                f"{key}.router_langs needs two or more pairs with different source languages, e.g. [de-en,fr-en]"
+            )
         return problems
 
 
@@ -517,6 +535,7 @@ class ExportConfig:
 @dataclass
 class ScalingConfig:
     """``specdraft scaling`` (pipeline/stages/scaling.py): acceptance against the amount of distilled data."""
+
     # shares of the distilled prompts finetuned on, nested: a smaller share's prompts are inside a larger one's
     fractions: list[float] = field(default_factory=lambda: [0.125, 0.25, 0.5, 1.0])
     # the finetunes of each fraction; add pf_on_policy, f_only_on_policy for the on-policy phase after each
@@ -531,12 +550,14 @@ class ScalingConfig:
     def check(section: DictConfig, key: str) -> list[str]:
         problems = []
         if not section.fractions or not all(0 < f <= 1 for f in section.fractions):
-            problems.append(f"{key}.fractions must be shares of the distilled prompts in (0, 1], "
-                            "e.g. [0.125,0.25,0.5,1]")
+            problems.append(
+                f"{key}.fractions must be shares of the distilled prompts in (0, 1], e.g. [0.125,0.25,0.5,1]"
+            )
         points = {"pretrained", *(f"{s.value}@{f:g}" for s in section.series for f in section.fractions)}
         if unknown := [a for a in section.anchors if a not in points]:
-            problems.append(f"{key}.anchors: {', '.join(unknown)} not among the points; "
-                            f"valid: {', '.join(sorted(points))}")
+            problems.append(
+                f"{key}.anchors: {', '.join(unknown)} not among the points; valid: {', '.join(sorted(points))}"
+            )
         if section.heldout_prompts < 1:
             problems.append(f"{key}.heldout_prompts must be >= 1")
         return problems
@@ -546,7 +567,7 @@ class ScalingConfig:
 class LoggerConfig:
     backend: LoggerBackend = LoggerBackend.wandb  # wandb | none
     project: str = "specdraft"  # wandb project
-    entity: Optional[str] = None  # wandb entity (None: your default)
+    entity: str | None = None  # wandb entity (None: your default)
     mode: str = "offline"  # used unless WANDB_MODE is set
 
 

@@ -25,8 +25,15 @@ from pipeline.prompts import Shot
 
 def reverse(lang: DictConfig) -> DictConfig:
     """The pair the other way round (de-en -> en-de), for the prompt's wording."""
-    return OmegaConf.create({"pair": f"{lang.tgt}-{lang.src}", "src": lang.tgt, "tgt": lang.src,
-                             "src_name": lang.tgt_name, "tgt_name": lang.src_name})
+    return OmegaConf.create(
+        {
+            "pair": f"{lang.tgt}-{lang.src}",
+            "src": lang.tgt,
+            "tgt": lang.src,
+            "src_name": lang.tgt_name,
+            "tgt_name": lang.src_name,
+        }
+    )
 
 
 def shots(lang: DictConfig) -> list[Shot]:
@@ -35,8 +42,9 @@ def shots(lang: DictConfig) -> list[Shot]:
 
 def segments(cfg: DictConfig) -> list[Example]:
     """The target-language segments to translate: the first ``data.back_translation`` by id."""
-    candidates = sorted((ex for ex in offline_examples(cfg, cfg.lang.tgt) if within_length(ex, cfg.data)),
-                        key=lambda ex: ex.id)
+    candidates = sorted(
+        (ex for ex in offline_examples(cfg, cfg.lang.tgt) if within_length(ex, cfg.data)), key=lambda ex: ex.id
+    )
     return candidates[: cfg.data.back_translation]
 
 

@@ -104,8 +104,10 @@ def _file_examples(path: Path, hub: DictConfig) -> Iterator[Example]:
             if path.suffix == ".jsonl":
                 record = json_line(path, number, line)
                 if not isinstance(record, dict) or not isinstance(record.get("src"), str):
-                    raise ConfigError(f"{path}:{number}: a JSONL source line is {{\"src\": TEXT, \"ref\": TEXT}}; "
-                                      "repair or delete that line")
+                    raise ConfigError(
+                        f'{path}:{number}: a JSONL source line is {{"src": TEXT, "ref": TEXT}}; '
+                        "repair or delete that line"
+                    )
                 src, ref = record["src"], record.get("ref")
             else:
                 columns = line.split("\t")
@@ -115,8 +117,10 @@ def _file_examples(path: Path, hub: DictConfig) -> Iterator[Example]:
                     src, ref = columns[0], columns[1] if len(columns) == 2 else None
                 else:
                     wanted = f"columns {hub.src_column} and {hub.ref_column}" if columns_set else "src<TAB>ref"
-                    raise ConfigError(f"{path}:{number}: {len(columns)} tab-separated columns, expected {wanted}; "
-                                      "set lang.hub.src_column and lang.hub.ref_column (0-based)")
+                    raise ConfigError(
+                        f"{path}:{number}: {len(columns)} tab-separated columns, expected {wanted}; "
+                        "set lang.hub.src_column and lang.hub.ref_column (0-based)"
+                    )
             yield Example(id=text_id(src), src=src, ref=ref or None)
 
 
@@ -127,8 +131,10 @@ def heldout_split(hub: DictConfig, splits: list[str]) -> str:
     for split in ("test", "validation"):
         if split in splits:
             return split
-    raise ConfigError(f"{hub.dataset} {hub.subset} has neither a test nor a validation split (it has "
-                      f"{', '.join(splits)}); set lang.hub.heldout_split")
+    raise ConfigError(
+        f"{hub.dataset} {hub.subset} has neither a test nor a validation split (it has "
+        f"{', '.join(splits)}); set lang.hub.heldout_split"
+    )
 
 
 def _hub_folder(cfg: DictConfig) -> Path:
@@ -142,8 +148,10 @@ def _hub_folder(cfg: DictConfig) -> Path:
 def _require_hub(cfg: DictConfig, what: str) -> None:
     """A stream from the hub is about to start: refused, in one line, where the hub is off."""
     if hub_offline() and not is_local(cfg.lang.hub.dataset):
-        raise NotPreparedError(f"{what} of {cfg.lang.hub.dataset} {cfg.lang.hub.subset} are not in {_hub_folder(cfg)} "
-                               f"and the hub is off (HF_HUB_OFFLINE=1); {prepare_hint(cfg)}")
+        raise NotPreparedError(
+            f"{what} of {cfg.lang.hub.dataset} {cfg.lang.hub.subset} are not in {_hub_folder(cfg)} "
+            f"and the hub is off (HF_HUB_OFFLINE=1); {prepare_hint(cfg)}"
+        )
 
 
 def _keep(cfg: DictConfig, path: Path, text: str, keep: bool) -> None:
@@ -192,8 +200,12 @@ def hub_rows(cfg: DictConfig, split: str, limit: int | None, keep: bool = False)
     _require_hub(cfg, f"{limit or 'all'} {split} rows")
     rows = _hub_examples(cfg, split, limit)
     header = {"rows": len(rows), "whole_split": limit is None or len(rows) < limit}
-    _keep(cfg, _hub_folder(cfg) / f"{split}.jsonl",
-          "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in [header, *map(asdict, rows)]), keep)
+    _keep(
+        cfg,
+        _hub_folder(cfg) / f"{split}.jsonl",
+        "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in [header, *map(asdict, rows)]),
+        keep,
+    )
     return rows
 
 
@@ -203,8 +215,10 @@ def cached_sources(cfg: DictConfig) -> Path | None:
     if not (folder / "splits.json").exists():
         return None
     held_out = heldout_split(hub, hub_splits(cfg))
-    cached = all(_rows_file(cfg, split, limit) is not None
-                 for split, limit in ((hub.split, data.max_train_prompts), (held_out, data.heldout_max)))
+    cached = all(
+        _rows_file(cfg, split, limit) is not None
+        for split, limit in ((hub.split, data.max_train_prompts), (held_out, data.heldout_max))
+    )
     return folder if cached else None
 
 
@@ -226,7 +240,9 @@ def within_length(example: Example, data: DictConfig) -> bool:
     return data.min_chars <= len(example.src) <= data.max_chars
 
 
-def split_by_id(examples: list[Example], heldout_fraction: float, heldout_max: int) -> tuple[list[Example], list[Example]]:
+def split_by_id(
+    examples: list[Example], heldout_fraction: float, heldout_max: int
+) -> tuple[list[Example], list[Example]]:
     """Held-out = the examples with the smallest ids (deterministic, independent of input order)."""
     unique = sorted({ex.id: ex for ex in examples}.values(), key=lambda ex: ex.id)
     n_heldout = min(heldout_max, round(heldout_fraction * len(unique)))

@@ -56,8 +56,14 @@ class GreedyGate:
         (self.ties if entry["top2_gap"] < self.tolerance else self.mismatches).append(entry)
 
     def summary(self) -> dict:
-        return {"greedy_prompts_checked": len(self.prompts), "outputs_checked": self.outputs_checked,
-                "exact": self.exact, "tie_tolerance": self.tolerance, "ties": self.ties, "mismatches": self.mismatches}
+        return {
+            "greedy_prompts_checked": len(self.prompts),
+            "outputs_checked": self.outputs_checked,
+            "exact": self.exact,
+            "tie_tolerance": self.tolerance,
+            "ties": self.ties,
+            "mismatches": self.mismatches,
+        }
 
     def enforce(self, what: str, out_dir: Path) -> None:
         """Fail the stage, in one line, after its results are written."""
@@ -66,4 +72,5 @@ class GreedyGate:
             raise LosslessError(
                 f"{len(self.mismatches)} {what} (first: {first['lang']} {first['id']} {first['method']} at token "
                 f"{first['position']}, top-2 gap {first['top2_gap']:.3g} >= tie tolerance {self.tolerance:g}); "
-                f"see {out_dir / 'samples.jsonl'}")
+                f"see {out_dir / 'samples.jsonl'}"
+            )

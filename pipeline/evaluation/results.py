@@ -37,13 +37,26 @@ def environment(device: torch.device, processes: int = 1) -> dict:
 
 def summarize(per_seed: dict) -> dict:
     names = next(iter(per_seed.values())).keys()
-    return {name: {key: mean_std([s[name][key] for s in per_seed.values() if name in s])
-                   for key in SUMMARY_KEYS if all(key in s.get(name, {}) for s in per_seed.values())}
-            for name in names}
+    return {
+        name: {
+            key: mean_std([s[name][key] for s in per_seed.values() if name in s])
+            for key in SUMMARY_KEYS
+            if all(key in s.get(name, {}) for s in per_seed.values())
+        }
+        for name in names
+    }
 
 
 def write_results(out_dir: Path, metrics: dict, tracker, pair: str, extra: dict) -> None:
     """metrics.json, and the main pair's mean summaries (plus ``extra``) to the tracker."""
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    tracker.summary({f"{t}/{name}/{key}": s[key]["mean"] for t, r in metrics["results"][pair].items()
-                     for name, s in r["summary"].items() for key in SUMMARY_KEYS if key in s} | extra)
+    tracker.summary(
+        {
+            f"{t}/{name}/{key}": s[key]["mean"]
+            for t, r in metrics["results"][pair].items()
+            for name, s in r["summary"].items()
+            for key in SUMMARY_KEYS
+            if key in s
+        }
+        | extra
+    )

@@ -25,7 +25,6 @@ from pipeline.prompts import IGNORE
 SCORE_CHUNK = 64  # drafted positions per pass of the target's full output layer: (64, V) float32 logits at a time
 
 
-
 def vocab_on(vocab: VocabMap | None, device: torch.device) -> VocabMap | None:
     """A copy of the map on ``device`` (the caller's stays where its collator uses it)."""
     return VocabMap(vocab.target_ids, vocab.target_vocab_size).to(device) if vocab is not None else None
@@ -50,12 +49,14 @@ class TargetScores:
 
 
 @torch.no_grad()
-def score(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, scored: torch.Tensor,
-          vocab: VocabMap | None) -> TargetScores:
+def score(
+    target, input_ids: torch.Tensor, attention_mask: torch.Tensor, scored: torch.Tensor, vocab: VocabMap | None
+) -> TargetScores:
     """The target's distribution at the ``scored`` positions (a (B, L) mask; position t predicts token t + 1)
     of a left-padded batch of target ids, exactly: its full output layer, at those positions only."""
-    hidden = target.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=position_ids(attention_mask)).last_hidden_state[scored]
+    hidden = target.base_model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)
+    ).last_hidden_state[scored]
     head, cap = target.get_output_embeddings(), getattr(target.config, "final_logit_softcapping", None)
     log_p, argmax = [], []
     for chunk in hidden.split(SCORE_CHUNK):
@@ -73,7 +74,7 @@ def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch
     ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), length), dtype=torch.long)
     for i, row in enumerate(rows):
-        ids[i, length - len(row):], mask[i, length - len(row):] = row, 1
+        ids[i, length - len(row) :], mask[i, length - len(row) :] = row, 1
     return ids, mask
 
 
@@ -89,7 +90,7 @@ class TeacherForced:
         self.input_ids, self.attention_mask = (t.to(device) for t in left_pad(rows, pad_id))
         scored = torch.zeros_like(self.attention_mask, dtype=torch.bool)
         for i, row_labels in enumerate(labels):  # position t predicts label t + 1
-            scored[i, scored.shape[1] - len(row_labels): -1] = (row_labels[1:] != IGNORE).to(device)
+            scored[i, scored.shape[1] - len(row_labels) : -1] = (row_labels[1:] != IGNORE).to(device)
         self.scored, self.vocab = scored, vocab
         self.scores = score(target, self.input_ids, self.attention_mask, scored, vocab)
 
@@ -104,8 +105,9 @@ class TeacherForced:
         was_training = drafter.training
         drafter.eval()
         ids = self.vocab.encode(self.input_ids) if self.vocab is not None else self.input_ids
-        logits = drafter(input_ids=ids, attention_mask=self.attention_mask,
-                         position_ids=position_ids(self.attention_mask)).logits[self.scored]
+        logits = drafter(
+            input_ids=ids, attention_mask=self.attention_mask, position_ids=position_ids(self.attention_mask)
+        ).logits[self.scored]
         drafter.train(was_training)
         log_q = drafter_log_probs(logits, self.vocab)
         acceptance = torch.minimum(log_q.exp(), self.scores.log_p.exp()).sum(-1)

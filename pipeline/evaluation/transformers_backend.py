@@ -22,9 +22,9 @@ measured after the warm-up.
 
 ``eval.processes`` (auto: every visible GPU) shares the prompts out: the stage decides once what every
 process must share (the target's dtype, the costs, K), then decodes prompts 0, N, 2N... itself and starts N-1
-processes (``python -m pipeline.evaluation.transformers_backend``), each pinned to one more GPU (CUDA_VISIBLE_DEVICES) and
-decoding prompts i, N+i, ...; a prompt's seeds depend on its index only, so the counts and acceptance are
-those of one process. A worker's error ends the stage in one line (pipeline/workers.py).
+processes (``python -m pipeline.evaluation.transformers_backend``), each pinned to one more GPU
+(CUDA_VISIBLE_DEVICES) and decoding prompts i, N+i, ...; a prompt's seeds depend on its index only, so the
+counts and acceptance are those of one process. A worker's error ends the stage in one line (pipeline/workers.py).
 
 A prompt is the unit of work: all its methods are timed together, and its row (every method's tokens,
 rounds and seconds) is appended to samples.jsonl (a worker's to its samples.shard-<i>.jsonl), durable,
@@ -58,6 +58,7 @@ from transformers import AutoConfig
 from pipeline import report
 from pipeline.config import EVAL_METHODS, Config, ConfigError
 from pipeline.device import cpu_model, half_precision_dtypes, resolve_device
+from pipeline.durable import fsync_dir, write_atomic
 from pipeline.evaluation.gate import GreedyGate, tie_tolerance
 from pipeline.evaluation.heldout import eval_pairs, heldout_prompts, lang_config, stop_condition
 from pipeline.evaluation.results import SUMMARY_KEYS, environment, summarize, write_results
@@ -65,8 +66,16 @@ from pipeline.jsonl import AppendOnlyJsonl, read_jsonl
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.prompts import prompt_ids
-from pipeline.durable import fsync_dir, write_atomic
 from pipeline.rundir import StageInputError, make_command, stage_dir
+from pipeline.speculative.costs import (
+    canonical_dtype,
+    choose_k,
+    cost_line,
+    dtype_candidates,
+    no_k_pays,
+    pick_dtype,
+    time_steps,
+)
 from pipeline.speculative.engine import (
     CachedModel,
     Generation,
@@ -81,13 +90,17 @@ from pipeline.speculative.engine import (
     step_costs,
     top2_gap,
 )
-from pipeline.speculative.costs import (canonical_dtype, choose_k, cost_line, dtype_candidates, no_k_pays, pick_dtype,
-                                       time_steps)
 from pipeline.speculative.metrics import measure, method_stats, speedup, timed
 from pipeline.speculative.router import LanguageRouter
 from pipeline.speculative.sampler import Sampling
-from pipeline.workers import (EXIT_PREEMPTED, WORKER_ERRORS, WORKER_ERRORS_ENV, preemption_signals, report_error,
-                              worker_error)
+from pipeline.workers import (
+    EXIT_PREEMPTED,
+    WORKER_ERRORS,
+    WORKER_ERRORS_ENV,
+    preemption_signals,
+    report_error,
+    worker_error,
+)
 
 METHODS = (*EVAL_METHODS, "router")
 MODEL_DRAFTED = ("speculative", "hybrid", "router")  # the methods that pay drafter steps
@@ -105,8 +118,16 @@ class Decoders:
     """Every method's decoder over the same target, drafter and stop condition, on one device; the drafters
     in the target's dtype, the one they are served in."""
 
-    def __init__(self, cfg: DictConfig, target_model, drafter_model, vocab_map, tokenizer, router_drafters: dict,
-                 device: torch.device):
+    def __init__(
+        self,
+        cfg: DictConfig,
+        target_model,
+        drafter_model,
+        vocab_map,
+        tokenizer,
+        router_drafters: dict,
+        device: torch.device,
+    ):
         self.cfg, self.device = cfg, device
         self.target_model = target_model
         self.drafter_model = drafter_model.to(target_model.dtype).eval()
@@ -118,9 +139,12 @@ class Decoders:
         self.stop = stop_condition(cfg.target, tokenizer, target_model)
         self.hf_assisted = vocab_map is None  # transformers' assistant must share the target's vocabulary
         self.router = LanguageRouter(
-            {src: model_drafter(model.to(target_model.dtype).eval(), vocab, confidence)
-             for src, (model, vocab) in router_drafters.items()},
-            self.drafter)
+            {
+                src: model_drafter(model.to(target_model.dtype).eval(), vocab, confidence)
+                for src, (model, vocab) in router_drafters.items()
+            },
+            self.drafter,
+        )
         self.k_choice: dict = {}  # "T=<t>" -> method -> costs.choose_k's record (eval.choose_k)
 
     def k(self, t: float, method: str) -> int:
@@ -145,13 +169,23 @@ class Decoders:
         ev = self.cfg.eval
         if method in ("hf", "hf_assisted"):
             assistant = self.drafter_model if method == "hf_assisted" else None
-            return timed(lambda: hf_generate(self.target_model, ids, ev.max_new_tokens, self.stop, sampling, seed,
-                                             assistant=assistant, k=k), self.device)
-        drafter = {"target": None, "speculative": self.drafter, "pld": self.pld, "hybrid": self.hybrid,
-                   "router": routed}[method]
+            return timed(
+                lambda: hf_generate(
+                    self.target_model, ids, ev.max_new_tokens, self.stop, sampling, seed, assistant=assistant, k=k
+                ),
+                self.device,
+            )
+        drafter = {
+            "target": None,
+            "speculative": self.drafter,
+            "pld": self.pld,
+            "hybrid": self.hybrid,
+            "router": routed,
+        }[method]
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        return generate(self.target, ids, ev.max_new_tokens, self.stop, sampling, drafter=drafter, k=k,
-                        generator=generator)
+        return generate(
+            self.target, ids, ev.max_new_tokens, self.stop, sampling, drafter=drafter, k=k, generator=generator
+        )
 
 
 @dataclass
@@ -194,14 +228,20 @@ def evaluate(cfg: DictConfig, directory, tracker, device: torch.device, processe
     blocks = plan(cfg, decoders, prompts)
     todo = decodes_left(blocks, prompts, rows)
     if rows:
-        print(f"eval: resuming: {sum(len(v) * len(prompts.by_pair[p]) for _, p, _, v in blocks) - todo} decodes "
-              f"already measured in {len(progress['sessions'])} earlier session(s) of {path / SAMPLES}", flush=True)
+        print(
+            f"eval: resuming: {sum(len(v) * len(prompts.by_pair[p]) for _, p, _, v in blocks) - todo} decodes "
+            f"already measured in {len(progress['sessions'])} earlier session(s) of {path / SAMPLES}",
+            flush=True,
+        )
     with preemption_signals() as received:
         if todo:
             start_session(cfg, decoders, prompts, progress, path, processes)
             blocks = plan(cfg, decoders, prompts)  # with the K just chosen
-            workers = (Workers(cfg, drafter_path, path, processes, len(progress["sessions"]) - 1, device)
-                       if processes > 1 else None)
+            workers = (
+                Workers(cfg, drafter_path, path, processes, len(progress["sessions"]) - 1, device)
+                if processes > 1
+                else None
+            )
             rows = decode(cfg, decoders, prompts, blocks, rows, len(progress["sessions"]) - 1, path, received, workers)
 
     costs = step_costs_of(progress)
@@ -225,15 +265,22 @@ def evaluate(cfg: DictConfig, directory, tracker, device: torch.device, processe
         "lossless": gate.summary(),
         "hf_assisted": "run" if decoders.hf_assisted else "skipped: reduced-vocabulary drafter",
         "router": router_summary(cfg, list(rows.values())) if ev.router_langs else None,
-        "sessions": [info | {"prompts_measured": sum(row["session"] == i for row in rows.values())}
-                     for i, info in enumerate(progress["sessions"])],
+        "sessions": [
+            info | {"prompts_measured": sum(row["session"] == i for row in rows.values())}
+            for i, info in enumerate(progress["sessions"])
+        ],
         "environment": environment(device, processes),
     }
     write_results(path, metrics, tracker, cfg.lang.pair, {"c": costs["c"]})
     report.write_stage_report(metrics, path)
     gate.enforce("greedy outputs differ from the target's own", path)
-    return {"prompts": sum(len(p) for p in prompts.by_pair.values()), "languages": len(prompts.pairs),
-            "greedy_mismatches": 0, "greedy_ties": len(gate.ties), "sessions": len(progress["sessions"])}
+    return {
+        "prompts": sum(len(p) for p in prompts.by_pair.values()),
+        "languages": len(prompts.pairs),
+        "greedy_mismatches": 0,
+        "greedy_ties": len(gate.ties),
+        "sessions": len(progress["sessions"]),
+    }
 
 
 def load_target(cfg: DictConfig, target_path: str, device: torch.device, prompts: Prompts, progress: dict):
@@ -246,8 +293,9 @@ def load_target(cfg: DictConfig, target_path: str, device: torch.device, prompts
     return target_model
 
 
-def start_session(cfg: DictConfig, decoders: Decoders, prompts: Prompts, progress: dict, path: Path,
-                  processes: int) -> None:
+def start_session(
+    cfg: DictConfig, decoders: Decoders, prompts: Prompts, progress: dict, path: Path, processes: int
+) -> None:
     """Warm up; on the first session measure the step costs and choose K (both after the warm-up: a cold GPU
     measures allocation, not steps); record the session in progress.json, durable, before any decode."""
     ev = cfg.eval
@@ -258,21 +306,41 @@ def start_session(cfg: DictConfig, decoders: Decoders, prompts: Prompts, progres
         if ev.choose_k:
             progress["k_choice"] = choose_ks(cfg, pilot, step_costs_of(progress), decoders.device)
             decoders.k_choice = progress["k_choice"]
-    progress["sessions"].append({"started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
-                                 "device": str(decoders.device), "processes": processes})
+    progress["sessions"].append(
+        {
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "host": socket.gethostname(),
+            "device": str(decoders.device),
+            "processes": processes,
+        }
+    )
     write_atomic(path / PROGRESS, json.dumps(progress, indent=2) + "\n")
-    print(f"eval: {cost_line(step_costs_of(progress))}; target and drafter in {progress['target_dtype']['chosen']}; "
-          f"{processes} process(es)", flush=True)
+    print(
+        f"eval: {cost_line(step_costs_of(progress))}; target and drafter in {progress['target_dtype']['chosen']}; "
+        f"{processes} process(es)",
+        flush=True,
+    )
     for t_key, by_method in decoders.k_choice.items():
-        print(f"eval: K at {t_key}: " + ", ".join(f"{m} {c['k']} (τ {c['tau'][c['k']]:.2f})"
-                                                  for m, c in by_method.items()), flush=True)
+        print(
+            f"eval: K at {t_key}: "
+            + ", ".join(f"{m} {c['k']} (τ {c['tau'][c['k']]:.2f})" for m, c in by_method.items()),
+            flush=True,
+        )
         for choice in by_method.values():
             if "no_k_pays" in choice:
                 print(f"eval: {t_key} {choice['no_k_pays']}", flush=True)
 
 
-def aggregate(cfg: DictConfig, decoders: Decoders, prompts: Prompts, blocks: list, rows: dict, costs: dict,
-              target_dtype: str, tracker) -> tuple[dict, GreedyGate]:
+def aggregate(
+    cfg: DictConfig,
+    decoders: Decoders,
+    prompts: Prompts,
+    blocks: list,
+    rows: dict,
+    costs: dict,
+    target_dtype: str,
+    tracker,
+) -> tuple[dict, GreedyGate]:
     """Every block's rows into per-seed statistics and their summary over seeds (pair -> "T=<t>" -> ...), and the
     greedy gate over every T=0 output that must be the target's."""
     gate = GreedyGate(tie_tolerance(target_dtype, cfg.eval.tie_tolerance))
@@ -282,21 +350,33 @@ def aggregate(cfg: DictConfig, decoders: Decoders, prompts: Prompts, blocks: lis
         outputs = {name: [generation_of(row["methods"][name]) for row in block_rows] for name, _, _ in variants}
         stats = seed_stats(outputs, variants, costs)
         results.setdefault(pair, {}).setdefault(f"T={t}", {"seeds": {}})["seeds"][seed] = stats
-        tracker.log({f"{pair}/T{t}/{name}/{key}": value for name, s in stats.items()
-                     for key, value in s.items() if key in SUMMARY_KEYS})
+        tracker.log(
+            {
+                f"{pair}/T{t}/{name}/{key}": value
+                for name, s in stats.items()
+                for key, value in s.items()
+                if key in SUMMARY_KEYS
+            }
+        )
         if t == 0:
             for row in block_rows:
                 reference, ids = row["methods"]["target"]["token_ids"], prompts.token_ids[row["prompt"]]
                 for name, method, _ in variants:
                     if method in EXACT_AT_T0:
-                        gate.check({"lang": pair, "id": row["id"], "method": name}, reference,
-                                   row["methods"][name]["token_ids"],
-                                   lambda position: top2_gap(decoders.target_model, ids, reference[:position]))
+                        gate.check(
+                            {"lang": pair, "id": row["id"], "method": name},
+                            reference,
+                            row["methods"][name]["token_ids"],
+                            lambda position: top2_gap(decoders.target_model, ids, reference[:position]),
+                        )
     for pair, by_t in results.items():
         for t, result in by_t.items():
             result["summary"] = summarize(result["seeds"])
-            print(f"eval {pair} {t}: " + ", ".join(f"{name} {s['speedup']['mean']:.2f}x"
-                                                   for name, s in result["summary"].items()), flush=True)
+            print(
+                f"eval {pair} {t}: "
+                + ", ".join(f"{name} {s['speedup']['mean']:.2f}x" for name, s in result["summary"].items()),
+                flush=True,
+            )
     return results, gate
 
 
@@ -306,11 +386,15 @@ def eval_processes(ev: DictConfig, device: torch.device) -> int:
     if ev.processes == "auto":
         return torch.cuda.device_count() if device.type == "cuda" and not pinned else 1
     if ev.processes > 1 and pinned:
-        raise ConfigError(f"eval.processes={ev.processes} runs one process per GPU, but eval.device={ev.device} "
-                          "names one: set eval.device=auto or eval.processes=1")
+        raise ConfigError(
+            f"eval.processes={ev.processes} runs one process per GPU, but eval.device={ev.device} "
+            "names one: set eval.device=auto or eval.processes=1"
+        )
     if device.type == "cuda" and ev.processes > torch.cuda.device_count():
-        raise ConfigError(f"eval.processes={ev.processes} needs a GPU each, and torch sees "
-                          f"{torch.cuda.device_count()}: set eval.processes=auto or ask the job for more GPUs")
+        raise ConfigError(
+            f"eval.processes={ev.processes} needs a GPU each, and torch sees "
+            f"{torch.cuda.device_count()}: set eval.processes=auto or ask the job for more GPUs"
+        )
     return ev.processes
 
 
@@ -347,8 +431,11 @@ def load_inputs(cfg: DictConfig, drafter_path: str, device: torch.device) -> tup
         mixed = [p for group in zip(*(by_pair[pair] for pair in ev.router_langs)) for p in group]
         by_pair = {pair: by_pair[pair] for pair in pairs} | {MIXED: mixed[: ev.num_prompts]}
         pairs.append(MIXED)
-    token_ids = {prompt: torch.tensor([prompt_ids(prompt, tokenizer)], device=device)
-                 for pair in pairs for _, prompt in by_pair[pair]}
+    token_ids = {
+        prompt: torch.tensor([prompt_ids(prompt, tokenizer)], device=device)
+        for pair in pairs
+        for _, prompt in by_pair[pair]
+    }
     prompts = Prompts(pairs, by_pair, source_pair, token_ids, token_ids[by_pair[cfg.lang.pair][0][1]])
     return drafter_model, vocab_map, router_drafters, tokenizer, prompts
 
@@ -365,8 +452,9 @@ def merge_shards(path: Path, keys: list[tuple]) -> None:
     if not shards:
         return
     rows = read_rows(path, *shards)
-    write_atomic(path / SAMPLES, "".join(json.dumps(rows[key], ensure_ascii=False) + "\n" for key in keys
-                                         if key in rows))
+    write_atomic(
+        path / SAMPLES, "".join(json.dumps(rows[key], ensure_ascii=False) + "\n" for key in keys if key in rows)
+    )
     for shard in shards:
         shard.unlink()
     fsync_dir(path)
@@ -376,19 +464,29 @@ def schedule(cfg: DictConfig, prompts: Prompts) -> list[tuple[float, str, int, b
     """(temperature, pair, seed, first pass) of every block: greedy output does not depend on the seed, and the
     K sweep runs in the first pass (T=0, first seed) only."""
     ev = cfg.eval
-    return [(t, pair, seed, t == 0 and i == 0) for t in ev.temperatures for pair in prompts.pairs
-            for i, seed in enumerate(list(ev.seeds) if t > 0 else list(ev.seeds)[:1])]
+    return [
+        (t, pair, seed, t == 0 and i == 0)
+        for t in ev.temperatures
+        for pair in prompts.pairs
+        for i, seed in enumerate(list(ev.seeds) if t > 0 else list(ev.seeds)[:1])
+    ]
 
 
 def plan(cfg: DictConfig, decoders: Decoders, prompts: Prompts) -> list:
     """(temperature, pair, seed, its variants) of every block."""
-    return [(t, pair, seed, decoders.variants(first_pass=first, pair=pair, t=t))
-            for t, pair, seed, first in schedule(cfg, prompts)]
+    return [
+        (t, pair, seed, decoders.variants(first_pass=first, pair=pair, t=t))
+        for t, pair, seed, first in schedule(cfg, prompts)
+    ]
 
 
 def decodes_left(blocks: list, prompts: Prompts, rows: dict) -> int:
-    return sum(len(variants) for t, pair, seed, variants in blocks for example, _ in prompts.by_pair[pair]
-               if (pair, t, seed, example.id) not in rows)
+    return sum(
+        len(variants)
+        for t, pair, seed, variants in blocks
+        for example, _ in prompts.by_pair[pair]
+        if (pair, t, seed, example.id) not in rows
+    )
 
 
 def warm_up(cfg: DictConfig, decoders: Decoders, first_ids: torch.Tensor) -> dict:
@@ -402,16 +500,34 @@ def warm_up(cfg: DictConfig, decoders: Decoders, first_ids: torch.Tensor) -> dic
     return pilot
 
 
-def decode(cfg: DictConfig, decoders: Decoders, prompts: Prompts, blocks: list, rows: dict, session: int,
-           path: Path, received: list, workers: Workers | None) -> dict:
+def decode(
+    cfg: DictConfig,
+    decoders: Decoders,
+    prompts: Prompts,
+    blocks: list,
+    rows: dict,
+    session: int,
+    path: Path,
+    received: list,
+    workers: Workers | None,
+) -> dict:
     """This process's share of the prompts here, the others' in ``workers`` (None: all of them here); every row.
     A preemption signal ends the stage (exit 75) once every process has stopped, a failed worker in its error."""
     processes = 1 + (len(workers.children) if workers is not None else 0)
     # while workers run, samples.jsonl stays as they read it: this process appends to a shard too
     out = path / (SHARD.format(0) if workers is not None else SAMPLES)
     try:
-        finished = decode_shard(cfg, decoders, prompts, blocks, rows, (0, processes), session, out,
-                                lambda: bool(received) or (workers is not None and workers.failed()))
+        finished = decode_shard(
+            cfg,
+            decoders,
+            prompts,
+            blocks,
+            rows,
+            (0, processes),
+            session,
+            out,
+            lambda: bool(received) or (workers is not None and workers.failed()),
+        )
     except BaseException:  # an error here or a Ctrl-C: the workers stop too
         if workers is not None:
             workers.stop()
@@ -431,24 +547,52 @@ def decode(cfg: DictConfig, decoders: Decoders, prompts: Prompts, blocks: list, 
     return rows
 
 
-def decode_shard(cfg: DictConfig, decoders: Decoders, prompts: Prompts, blocks: list, rows: dict,
-                 shard: tuple[int, int], session: int, out_path: Path, stopped) -> bool:
+def decode_shard(
+    cfg: DictConfig,
+    decoders: Decoders,
+    prompts: Prompts,
+    blocks: list,
+    rows: dict,
+    shard: tuple[int, int],
+    session: int,
+    out_path: Path,
+    stopped,
+) -> bool:
     """Measure the prompts of ``shard`` = (i, N), those whose index is i mod N, that have no row yet; each prompt's
     row goes to ``out_path``, durable, before the next starts. False when ``stopped()`` cut it short."""
     ev, (index_of_shard, processes) = cfg.eval, shard
-    mine = [(t, pair, seed, variants, index, example, prompt) for t, pair, seed, variants in blocks
-            for index, (example, prompt) in enumerate(prompts.by_pair[pair]) if index % processes == index_of_shard]
+    mine = [
+        (t, pair, seed, variants, index, example, prompt)
+        for t, pair, seed, variants in blocks
+        for index, (example, prompt) in enumerate(prompts.by_pair[pair])
+        if index % processes == index_of_shard
+    ]
     todo = [unit for unit in mine if (unit[1], unit[0], unit[2], unit[5].id) not in rows]  # (pair, t, seed, id)
     total, left = (sum(len(variants) for _, _, _, variants, *_ in units) for units in (mine, todo))
     description = "eval decodes" + (f" (process 1 of {processes})" if processes > 1 else "")
     out = AppendOnlyJsonl(out_path)
-    bar = tqdm(total=total, initial=total - left, desc=description, unit="decode", file=sys.stderr,
-               disable=not todo or index_of_shard > 0)  # one bar: the first process's
+    bar = tqdm(
+        total=total,
+        initial=total - left,
+        desc=description,
+        unit="decode",
+        file=sys.stderr,
+        disable=not todo or index_of_shard > 0,
+    )  # one bar: the first process's
     try:
         for t, pair, seed, variants, index, example, prompt in todo:
             sampling = Sampling(t, ev.top_k, ev.top_p)
-            row = {"lang": pair, "temperature": t, "seed": seed, "id": example.id, "src": example.src,
-                   "ref": example.ref, "prompt": prompt, "session": session, "methods": {}}
+            row = {
+                "lang": pair,
+                "temperature": t,
+                "seed": seed,
+                "id": example.id,
+                "src": example.src,
+                "ref": example.ref,
+                "prompt": prompt,
+                "session": session,
+                "methods": {},
+            }
             routed = None
             if pair == MIXED:
                 routed_language, routed = decoders.router.route(example.src)
@@ -458,8 +602,9 @@ def decode_shard(cfg: DictConfig, decoders: Decoders, prompts: Prompts, blocks: 
                     return False
                 # the prompt's index, not its shard, seeds it: N processes sample what one does
                 ids, prompt_seed = prompts.token_ids[prompt], seed * 1_000_003 + index
-                generation = measure(lambda: decoders.decode(method, k, ids, sampling, prompt_seed, routed),
-                                     ev.repetitions)
+                generation = measure(
+                    lambda: decoders.decode(method, k, ids, sampling, prompt_seed, routed), ev.repetitions
+                )
                 row["methods"][name] = method_row(generation, decoders.stop)
                 bar.update()
             out.append(row)
@@ -471,12 +616,13 @@ def decode_shard(cfg: DictConfig, decoders: Decoders, prompts: Prompts, blocks: 
 
 
 class Workers:
-    """The stage's processes 1..N-1, each ``python -m pipeline.evaluation.transformers_backend`` decoding its share of the prompts
-    on one GPU of its own (CUDA_VISIBLE_DEVICES), or on the CPU. A failed one reports its error where
+    """The stage's processes 1..N-1, each ``python -m pipeline.evaluation.transformers_backend`` decoding its share
+    of the prompts on one GPU of its own (CUDA_VISIBLE_DEVICES), or on the CPU. A failed one reports its error where
     pipeline/workers.py says; the stage raises it."""
 
-    def __init__(self, cfg: DictConfig, drafter_path: str, path: Path, processes: int, session: int,
-                 device: torch.device):
+    def __init__(
+        self, cfg: DictConfig, drafter_path: str, path: Path, processes: int, session: int, device: torch.device
+    ):
         self.errors = path / WORKER_ERRORS
         for report_file in self.errors.glob("rank-*.json"):
             report_file.unlink()
@@ -488,11 +634,21 @@ class Workers:
         self.stopping = False
         # Their own sessions: a Ctrl-C reaches the stage alone, which stops them once (as launch.py's launcher).
         self.children = [
-            subprocess.Popen([sys.executable, "-m", "pipeline.evaluation.transformers_backend", str(path / WORKER_CONFIG), str(shard),
-                              str(processes), str(session)],
-                             env=env | {"RANK": str(shard)} | ({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {}),
-                             start_new_session=True)
-            for shard, gpu in enumerate(worker_gpus(device, processes), start=1)]
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "pipeline.evaluation.transformers_backend",
+                    str(path / WORKER_CONFIG),
+                    str(shard),
+                    str(processes),
+                    str(session),
+                ],
+                env=env | {"RANK": str(shard)} | ({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {}),
+                start_new_session=True,
+            )
+            for shard, gpu in enumerate(worker_gpus(device, processes), start=1)
+        ]
 
     def failed(self) -> bool:
         return any(child.poll() not in (None, 0, *STOPPED) for child in self.children)
@@ -531,26 +687,36 @@ def worker_gpus(device: torch.device, processes: int) -> list[str | None]:
 
 
 def worker(argv: list[str]) -> None:
-    """A worker process: ``python -m pipeline.evaluation.transformers_backend CONFIG SHARD PROCESSES SESSION``. The stage decided the
-    target's dtype and K (progress.json); this process warms its device up and decodes its share."""
+    """A worker process: ``python -m pipeline.evaluation.transformers_backend CONFIG SHARD PROCESSES SESSION``. The
+    stage decided the target's dtype and K (progress.json); this process warms its device up and decodes its share."""
     config_file, (shard, processes, session) = Path(argv[0]), map(int, argv[1:])
     stage = os.getppid()
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(config_file))
         path, device = config_file.parent, resolve_device(cfg.eval.device)
         with threads_per_process(device, processes), preemption_signals() as received:
-            drafter_model, vocab_map, router_drafters, tokenizer, prompts = load_inputs(cfg, cfg.eval.drafter_path,
-                                                                                        device)
+            drafter_model, vocab_map, router_drafters, tokenizer, prompts = load_inputs(
+                cfg, cfg.eval.drafter_path, device
+            )
             progress = json.loads((path / PROGRESS).read_text())
-            target_model = load_model(model_path(cfg.target, cfg.paths.models_dir),
-                                      progress["target_dtype"]["chosen"], device)
+            target_model = load_model(
+                model_path(cfg.target, cfg.paths.models_dir), progress["target_dtype"]["chosen"], device
+            )
             decoders = Decoders(cfg, target_model, drafter_model, vocab_map, tokenizer, router_drafters, device)
             decoders.k_choice = progress.get("k_choice", {})
             warm_up(cfg, decoders, prompts.first_ids)
             # stop at a preemption signal, or when the stage is gone (a kill -9): a rerun starts its own workers
-            finished = decode_shard(cfg, decoders, prompts, plan(cfg, decoders, prompts), read_rows(path),
-                                    (shard, processes), session, path / SHARD.format(shard),
-                                    lambda: bool(received) or os.getppid() != stage)
+            finished = decode_shard(
+                cfg,
+                decoders,
+                prompts,
+                plan(cfg, decoders, prompts),
+                read_rows(path),
+                (shard, processes),
+                session,
+                path / SHARD.format(shard),
+                lambda: bool(received) or os.getppid() != stage,
+            )
     except Exception as exc:
         if report_error(exc) is None:
             raise
@@ -570,11 +736,24 @@ def choose_target_dtype(cfg: DictConfig, target_path: str, device: torch.device,
         return {"chosen": candidates[0]}, models[candidates[0]]
     timings = time_steps(models, prompt_ids, ev.num_draft_tokens)
     chosen = pick_dtype(timings, cfg.target.dtype)
-    print(f"eval: target in {chosen} (recipe: {cfg.target.dtype}), measured here: "
-          + "; ".join(f"{dtype} step {t['step_s'] * 1e3:.1f} ms, verify of {ev.num_draft_tokens + 1} tokens "
-                      f"{t['verify_s'] * 1e3:.1f} ms" for dtype, t in timings.items()), flush=True)
-    return ({"chosen": chosen, "recipe": canonical_dtype(cfg.target.dtype), "verify_tokens": ev.num_draft_tokens + 1,
-             "timings": timings}, models[chosen])
+    print(
+        f"eval: target in {chosen} (recipe: {cfg.target.dtype}), measured here: "
+        + "; ".join(
+            f"{dtype} step {t['step_s'] * 1e3:.1f} ms, verify of {ev.num_draft_tokens + 1} tokens "
+            f"{t['verify_s'] * 1e3:.1f} ms"
+            for dtype, t in timings.items()
+        ),
+        flush=True,
+    )
+    return (
+        {
+            "chosen": chosen,
+            "recipe": canonical_dtype(cfg.target.dtype),
+            "verify_tokens": ev.num_draft_tokens + 1,
+            "timings": timings,
+        },
+        models[chosen],
+    )
 
 
 def choose_ks(cfg: DictConfig, pilot: dict, costs: dict, device: torch.device) -> dict:
@@ -584,9 +763,13 @@ def choose_ks(cfg: DictConfig, pilot: dict, costs: dict, device: torch.device) -
     choice = {}
     for t in cfg.eval.temperatures:
         for method in ("speculative", "pld", "hybrid"):
-            taus = {int(name.removeprefix(f"{method}_k")) if name != method else cfg.eval.num_draft_tokens:
-                    method_stats([generation])["tau"]
-                    for (pt, name), generation in pilot.items() if pt == t and name.split("_k")[0] == method}
+            taus = {
+                int(name.removeprefix(f"{method}_k")) if name != method else cfg.eval.num_draft_tokens: method_stats(
+                    [generation]
+                )["tau"]
+                for (pt, name), generation in pilot.items()
+                if pt == t and name.split("_k")[0] == method
+            }
             if not taus:
                 continue
             drafted = method in MODEL_DRAFTED
@@ -594,8 +777,9 @@ def choose_ks(cfg: DictConfig, pilot: dict, costs: dict, device: torch.device) -
             picked = choose_k(taus, c, costs["v"], draft)
             if picked["recommended_k"] == 0:
                 k = picked["k"]
-                picked["no_k_pays"] = no_k_pays(method, k, c, costs["v"][k], picked["tau"][k], machine,
-                                                draft[k] if drafted else None)
+                picked["no_k_pays"] = no_k_pays(
+                    method, k, c, costs["v"][k], picked["tau"][k], machine, draft[k] if drafted else None
+                )
             choice.setdefault(f"T={t}", {})[method] = picked
     return choice
 
@@ -606,20 +790,36 @@ def row_key(row: dict) -> tuple:
 
 def method_row(generation: Generation, stop: StopCondition) -> dict:
     """What samples.jsonl keeps of one method's decode: enough to recompute every metric on a resume."""
-    return {"output": stop.text(generation.tokens), "tokens": len(generation.tokens), "token_ids": generation.tokens,
-            "finish_reason": generation.finish_reason, "target_calls": generation.target_calls,
-            "accept_lengths": generation.accepted, "drafted": generation.drafted, "seconds": generation.seconds}
+    return {
+        "output": stop.text(generation.tokens),
+        "tokens": len(generation.tokens),
+        "token_ids": generation.tokens,
+        "finish_reason": generation.finish_reason,
+        "target_calls": generation.target_calls,
+        "accept_lengths": generation.accepted,
+        "drafted": generation.drafted,
+        "seconds": generation.seconds,
+    }
 
 
 def generation_of(method: dict) -> Generation:
-    return Generation(tokens=method["token_ids"], finish_reason=method["finish_reason"],
-                      target_calls=method["target_calls"], drafted=method["drafted"],
-                      accepted=method["accept_lengths"], seconds=method["seconds"])
+    return Generation(
+        tokens=method["token_ids"],
+        finish_reason=method["finish_reason"],
+        target_calls=method["target_calls"],
+        drafted=method["drafted"],
+        accepted=method["accept_lengths"],
+        seconds=method["seconds"],
+    )
 
 
 def preempted(path: Path, todo: int) -> int:
-    print(f"eval: stopped by a signal with {todo} decodes left; every finished prompt is in {path / SAMPLES}: "
-          "run the same command again to measure the rest", file=sys.stderr, flush=True)
+    print(
+        f"eval: stopped by a signal with {todo} decodes left; every finished prompt is in {path / SAMPLES}: "
+        "run the same command again to measure the rest",
+        file=sys.stderr,
+        flush=True,
+    )
     return EXIT_PREEMPTED
 
 
@@ -637,16 +837,21 @@ def finetuned_drafter(cfg: DictConfig, pair: str) -> str:
     other = lang_config(cfg, pair)
     finetune = stage_dir(other, "finetune", check_inputs=False)
     if finetune.recorded_hash() != finetune.config_hash or not finetune.is_complete():
-        raise StageInputError(f"eval.router_langs needs the {pair} drafter of {finetune.path}, which is not complete "
-                              f"for this config: run `{make_command(other, 'finetune')}` first")
+        raise StageInputError(
+            f"eval.router_langs needs the {pair} drafter of {finetune.path}, which is not complete "
+            f"for this config: run `{make_command(other, 'finetune')}` first"
+        )
     return str(finetune.path / "drafter")
 
 
 def router_summary(cfg: DictConfig, samples: list[dict]) -> dict:
     """Where the router sent the mixed prompts (per source pair, the drafter's language it picked) and
     the share it sent to the drafter of their own pair."""
-    rows = [r for r in samples if r["lang"] == MIXED and r["temperature"] == cfg.eval.temperatures[0]
-            and r["seed"] == cfg.eval.seeds[0]]
+    rows = [
+        r
+        for r in samples
+        if r["lang"] == MIXED and r["temperature"] == cfg.eval.temperatures[0] and r["seed"] == cfg.eval.seeds[0]
+    ]
     routed: dict[str, dict[str, int]] = {}
     for row in rows:
         counts = routed.setdefault(row["source_pair"], {})
@@ -662,8 +867,12 @@ def seed_stats(outputs: dict, variants: list, costs: dict) -> dict:
         if "alpha" in stats[name]:
             drafted = method in MODEL_DRAFTED  # a prompt lookup costs next to nothing
             stats[name]["predicted_speedup"] = predicted_speedup(
-                stats[name]["alpha"], k, costs["c"] if drafted else 0.0, costs["v"].get(k, 1.0),
-                costs["draft"].get(k) if drafted else None)
+                stats[name]["alpha"],
+                k,
+                costs["c"] if drafted else 0.0,
+                costs["v"].get(k, 1.0),
+                costs["draft"].get(k) if drafted else None,
+            )
     return stats
 
 
@@ -679,9 +888,11 @@ def k_sweep(results: dict, pair: str, k_main: int) -> dict:
             k = k_main if name == "speculative" else int(name.removeprefix("speculative_k"))
             per_k[k] = {key: stats[key] for key in ("alpha", "tau", "speedup", "predicted_speedup")}
     per_k = dict(sorted(per_k.items()))
-    return {"per_k": per_k,
-            "best_k_measured": max(per_k, key=lambda k: per_k[k]["speedup"]),
-            "best_k_predicted": max(per_k, key=lambda k: per_k[k]["predicted_speedup"])}
+    return {
+        "per_k": per_k,
+        "best_k_measured": max(per_k, key=lambda k: per_k[k]["speedup"]),
+        "best_k_predicted": max(per_k, key=lambda k: per_k[k]["predicted_speedup"]),
+    }
 
 
 if __name__ == "__main__":

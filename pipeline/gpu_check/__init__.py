@@ -50,17 +50,24 @@ class Context:
 
 def registry() -> dict[str, list]:
     """part -> [(name, function, kind)]: kind "check" asserts; "measure" reports figures (and fails only on error)."""
-    from pipeline.gpu_check import checks as c, measurements as m, stages as s
+    from pipeline.gpu_check import checks as c
+    from pipeline.gpu_check import measurements as m
+    from pipeline.gpu_check import stages as s
 
-    return {"correctness": [("drafters", c.check_drafters, "check"), ("kv_rollback", c.check_rollback, "check"),
-                            ("bf16", c.check_bf16, "check")],
-            "sampler": [("verify_distribution", c.check_sampler, "check")],
-            "clocks": [("clock_vs_cuda_events", c.check_clock, "check")],
-            "training": [("checkpoint_resume", c.check_training, "check"), ("throughput", m.measure_training, "measure")],
-            "costs": [("step_costs", m.measure_costs, "measure")],
-            "engine": [("engine_vs_transformers", m.measure_engine, "measure")],
-            "ties": [("bf16_ties", m.measure_ties, "measure")],
-            "stages": [("export_and_eval", s.check_stages, "check")]}
+    return {
+        "correctness": [
+            ("drafters", c.check_drafters, "check"),
+            ("kv_rollback", c.check_rollback, "check"),
+            ("bf16", c.check_bf16, "check"),
+        ],
+        "sampler": [("verify_distribution", c.check_sampler, "check")],
+        "clocks": [("clock_vs_cuda_events", c.check_clock, "check")],
+        "training": [("checkpoint_resume", c.check_training, "check"), ("throughput", m.measure_training, "measure")],
+        "costs": [("step_costs", m.measure_costs, "measure")],
+        "engine": [("engine_vs_transformers", m.measure_engine, "measure")],
+        "ties": [("bf16_ties", m.measure_ties, "measure")],
+        "stages": [("export_and_eval", s.check_stages, "check")],
+    }
 
 
 def device_name(device: torch.device) -> str:
@@ -75,11 +82,20 @@ def environment(device: torch.device, shapes_name: str) -> dict:
     import accelerate
     import transformers
 
-    return {"device": str(device), "device_name": device_name(device), "cpu": cpu_model(),
-            "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
-            "accelerate": accelerate.__version__, "python": platform.python_version(), "shapes": shapes_name,
-            "gpu_memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
-            if device.type == "cuda" else None}
+    return {
+        "device": str(device),
+        "device_name": device_name(device),
+        "cpu": cpu_model(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+        "python": platform.python_version(),
+        "shapes": shapes_name,
+        "gpu_memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
+        if device.type == "cuda"
+        else None,
+    }
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -89,13 +105,22 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shapes", choices=("auto", "tiny", "real"), default="auto",
-                        help="model shapes: real (7B target, 68M drafter) or tiny; auto: real on CUDA, tiny on a CPU")
-    parser.add_argument("--parts", default=",".join(PARTS),
-                        help=f"comma-separated parts to run (default all): {','.join(PARTS)}")
+    parser.add_argument(
+        "--shapes",
+        choices=("auto", "tiny", "real"),
+        default="auto",
+        help="model shapes: real (7B target, 68M drafter) or tiny; auto: real on CUDA, tiny on a CPU",
+    )
+    parser.add_argument(
+        "--parts", default=",".join(PARTS), help=f"comma-separated parts to run (default all): {','.join(PARTS)}"
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--out", type=Path, default=Path("runs/gpu-check"),
-                        help="results go to OUT/<device name>/gpu-check.json and report.md")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/gpu-check"),
+        help="results go to OUT/<device name>/gpu-check.json and report.md",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,18 +154,29 @@ def run(args: argparse.Namespace) -> int:
             except (CheckFailed, AssertionError) as exc:
                 entry = {"status": "failed", "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
             except Exception as exc:  # noqa: BLE001 - any error fails that check, the others still run
-                entry = {"status": "failed", "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-            entry |= {"kind": kind, "seconds": round(time.monotonic() - started, 1),
-                      "doc": (function.__doc__ or "").split("\n\n")[0].strip()}
+                entry = {
+                    "status": "failed",
+                    "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                }
+            entry |= {
+                "kind": kind,
+                "seconds": round(time.monotonic() - started, 1),
+                "doc": (function.__doc__ or "").split("\n\n")[0].strip(),
+            }
             result["results"][key] = entry
             line = entry.get("error") or headline(key, entry["figures"])
             print(f"  {entry['status']:<8} {key:<40} {entry['seconds']:>6.1f}s  {line}", flush=True)
             path.write_text(json.dumps(result, indent=2, default=str) + "\n")
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    failed = [key for key, entry in result["results"].items() if entry["status"] == "failed" and key.split("/")[0] in parts]
+    failed = [
+        key for key, entry in result["results"].items() if entry["status"] == "failed" and key.split("/")[0] in parts
+    ]
     (out_dir / "report.md").write_text(report(result))
-    print(f"gpu-check: {len(failed)} failed -> {path}, {out_dir / 'report.md'}" + (f": {', '.join(failed)}" if failed else ""))
+    print(
+        f"gpu-check: {len(failed)} failed -> {path}, {out_dir / 'report.md'}"
+        + (f": {', '.join(failed)}" if failed else "")
+    )
     return 1 if failed else 0
 
 
@@ -148,43 +184,81 @@ def headline(key: str, figures: dict) -> str:
     """The one figure a reader wants from each result, in the printed line."""
     if key == "costs/step_costs":
         first = next(iter(v for v in figures.values() if isinstance(v, dict)))
-        return (f"target {first['target_ms_per_step']} ms/step, drafter {first['drafter_ms_per_step']} ms/step, "
-                f"c {first['c']}, v {first['v']}")
+        return (
+            f"target {first['target_ms_per_step']} ms/step, drafter {first['drafter_ms_per_step']} ms/step, "
+            f"c {first['c']}, v {first['v']}"
+        )
     if key == "engine/engine_vs_transformers":
-        return "; ".join(f"{k}: tau {v['tau']} x{v['speedup_over_target']['ours']} (hf assisted "
-                         f"x{v['speedup_over_target']['hf_assisted']}), measured/predicted {v['measured_over_predicted']}"
-                         for k, v in figures.items() if k.startswith("alpha"))
+        return "; ".join(
+            f"{k}: tau {v['tau']} x{v['speedup_over_target']['ours']} (hf assisted "
+            f"x{v['speedup_over_target']['hf_assisted']}), measured/predicted {v['measured_over_predicted']}"
+            for k, v in figures.items()
+            if k.startswith("alpha")
+        )
     if key == "ties/bf16_ties":
-        return (f"argmax flips {figures['b']['argmax_flips']}+{figures['c']['argmax_flips']}, smallest passing tie "
-                f"tolerance {figures['smallest_passing_tie_tolerance']}")
+        return (
+            f"argmax flips {figures['b']['argmax_flips']}+{figures['c']['argmax_flips']}, smallest passing tie "
+            f"tolerance {figures['smallest_passing_tie_tolerance']}"
+        )
     if key == "training/throughput":
-        return ", ".join(f"{k} {v['tokens_per_s']} tok/s" for k, v in figures.items() if isinstance(v, dict) and "tokens_per_s" in v)
+        return ", ".join(
+            f"{k} {v['tokens_per_s']} tok/s" for k, v in figures.items() if isinstance(v, dict) and "tokens_per_s" in v
+        )
     return ""
 
 
 def report(result: dict) -> str:
     env = result["environment"]
-    lines = [f"# gpu-check: {env['device_name']}", "",
-             f"{env['shapes']} shapes on {env['device']}; torch {env['torch']} (CUDA {env['cuda']}), transformers "
-             f"{env['transformers']}, accelerate {env['accelerate']}, CPU {env['cpu']}.", "",
-             "| check | status | seconds |", "|---|---|---|"]
-    lines += [f"| {key} | {entry['status']}{': ' + entry['error'] if 'error' in entry else ''} | {entry['seconds']} |"
-              for key, entry in result["results"].items()]
+    lines = [
+        f"# gpu-check: {env['device_name']}",
+        "",
+        f"{env['shapes']} shapes on {env['device']}; torch {env['torch']} (CUDA {env['cuda']}), transformers "
+        f"{env['transformers']}, accelerate {env['accelerate']}, CPU {env['cpu']}.",
+        "",
+        "| check | status | seconds |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {key} | {entry['status']}{': ' + entry['error'] if 'error' in entry else ''} | {entry['seconds']} |"
+        for key, entry in result["results"].items()
+    ]
     costs = result["results"].get("costs/step_costs", {}).get("figures")
     if costs:
-        lines += ["", "## Costs", "", "| context / drafter | target ms/step | drafter ms/step | c | v(K) |", "|---|---|---|---|---|"]
-        lines += [f"| {k} | {v['target_ms_per_step']} | {v['drafter_ms_per_step']} | {v['c']} | "
-                  + ", ".join(f"{kk}: {vv}" for kk, vv in v["v"].items()) + " |"
-                  for k, v in costs.items() if isinstance(v, dict)]
-        lines += ["", f"Peak memory: {costs.get('peak_memory_gib')} GiB. A drafter of acceptance alpha gives "
-                  "(1 - alpha^(K+1)) / (1 - alpha) / (K c + v(K)): below 1, no drafter of that cost pays at that K."]
+        lines += [
+            "",
+            "## Costs",
+            "",
+            "| context / drafter | target ms/step | drafter ms/step | c | v(K) |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {k} | {v['target_ms_per_step']} | {v['drafter_ms_per_step']} | {v['c']} | "
+            + ", ".join(f"{kk}: {vv}" for kk, vv in v["v"].items())
+            + " |"
+            for k, v in costs.items()
+            if isinstance(v, dict)
+        ]
+        lines += [
+            "",
+            f"Peak memory: {costs.get('peak_memory_gib')} GiB. A drafter of acceptance alpha gives "
+            "(1 - alpha^(K+1)) / (1 - alpha) / (K c + v(K)): below 1, no drafter of that cost pays at that K.",
+        ]
     engine = result["results"].get("engine/engine_vs_transformers", {}).get("figures")
     if engine:
-        lines += ["", "## Engine", "", "| pair / T | tau | ours | HF assisted | HF generate | measured / predicted | "
-                  "overhead ms/round |", "|---|---|---|---|---|---|---|"]
-        lines += [f"| {k} | {v['tau']} | {v['speedup_over_target']['ours']}x | {v['speedup_over_target']['hf_assisted']}x | "
-                  f"{v['speedup_over_target']['hf']}x | {v['measured_over_predicted']} | {v['python_overhead_ms_per_round']} |"
-                  for k, v in engine.items() if k.startswith("alpha")]
+        lines += [
+            "",
+            "## Engine",
+            "",
+            "| pair / T | tau | ours | HF assisted | HF generate | measured / predicted | overhead ms/round |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {k} | {v['tau']} | {v['speedup_over_target']['ours']}x | {v['speedup_over_target']['hf_assisted']}x | "
+            f"{v['speedup_over_target']['hf']}x | {v['measured_over_predicted']} | "
+            f"{v['python_overhead_ms_per_round']} |"
+            for k, v in engine.items()
+            if k.startswith("alpha")
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -13,11 +13,19 @@ from omegaconf import OmegaConf
 
 from pipeline import device as devices
 from pipeline.evaluation.gate import GreedyGate, tie_tolerance
-from pipeline.gpu_check.models import SMALL, last_token_pair, calibrate, random_model, prompt_ids
+from pipeline.gpu_check.models import SMALL, calibrate, last_token_pair, prompt_ids, random_model
 from pipeline.gpu_check.traps import CudaSyncWarnings, PlacementTrap, SyncCounter
 from pipeline.models.vocab import VocabMap
-from pipeline.speculative.engine import (CachedModel, LookupThenModelDrafter, ModelDrafter, PromptLookupDrafter,
-                                         StopCondition, generate, hf_generate, top2_gap)
+from pipeline.speculative.engine import (
+    CachedModel,
+    LookupThenModelDrafter,
+    ModelDrafter,
+    PromptLookupDrafter,
+    StopCondition,
+    generate,
+    hf_generate,
+    top2_gap,
+)
 from pipeline.speculative.sampler import Sampling, verify
 
 K = 4
@@ -41,7 +49,8 @@ def stop() -> StopCondition:
 
 @torch.no_grad()
 def reduced(drafter, vocab_map: VocabMap):
-    """``drafter`` with only the mapped rows of its embeddings and head (+ the unk row): a reduced-vocabulary drafter."""
+    """``drafter`` with only the mapped rows of its embeddings and head (+ the unk row): a reduced-vocabulary
+    drafter."""
     rows = torch.cat([vocab_map.target_ids, vocab_map.target_ids[:1]]).to(drafter.device)
     fields = {k: getattr(drafter.config, k) for k in SMALL.drafter}
     small = random_model(fields, vocab_map.drafter_vocab_size, drafter.device, drafter.dtype)
@@ -63,7 +72,9 @@ def small_pair(ctx):
             generator = torch.Generator().manual_seed(3)
             for layer in target.model.layers:
                 weight = layer.self_attn.o_proj.weight
-                weight.copy_(torch.randn(weight.shape, generator=generator).to(weight.device) * 0.5 / weight.shape[0] ** 0.5)
+                weight.copy_(
+                    torch.randn(weight.shape, generator=generator).to(weight.device) * 0.5 / weight.shape[0] ** 0.5
+                )
         vocab_map = VocabMap(torch.arange(SMALL.vocab // 2), SMALL.vocab).to(ctx.device)
         ctx.cache["small"] = (target, drafter, vocab_map, reduced(drafter, vocab_map), calibration)
     return ctx.cache["small"]
@@ -71,16 +82,28 @@ def small_pair(ctx):
 
 def drafter_kinds(drafter, reduced_drafter, vocab_map):
     pld = PromptLookupDrafter(SMALL.vocab)
-    return {"model": ModelDrafter(drafter), "reduced_vocab": ModelDrafter(reduced_drafter, vocab_map),
-            "prompt_lookup": pld, "lookup_then_model": LookupThenModelDrafter(pld, ModelDrafter(drafter)),
-            "confidence_cut": ModelDrafter(drafter, min_confidence=CONFIDENCE)}
+    return {
+        "model": ModelDrafter(drafter),
+        "reduced_vocab": ModelDrafter(reduced_drafter, vocab_map),
+        "prompt_lookup": pld,
+        "lookup_then_model": LookupThenModelDrafter(pld, ModelDrafter(drafter)),
+        "confidence_cut": ModelDrafter(drafter, min_confidence=CONFIDENCE),
+    }
 
 
 def decode_trapped(ctx, target, drafter, ids, sampling, seed=0):
     """One decode under the placement trap and the sync counters."""
     with CudaSyncWarnings(ctx.device) as cuda_syncs, SyncCounter() as syncs, PlacementTrap(ctx.device):
-        generation = generate(target, ids, SMALL.max_new_tokens, stop(), sampling, drafter=drafter, k=K,
-                              generator=torch.Generator(device=ctx.device).manual_seed(seed))
+        generation = generate(
+            target,
+            ids,
+            SMALL.max_new_tokens,
+            stop(),
+            sampling,
+            drafter=drafter,
+            k=K,
+            generator=torch.Generator(device=ctx.device).manual_seed(seed),
+        )
     return generation, syncs.count, cuda_syncs.count
 
 
@@ -99,19 +122,31 @@ def check_drafters(ctx) -> dict:
             generation, syncs, cuda_syncs = decode_trapped(ctx, target, kind, ids, sampling)
             rounds = generation.target_calls
             bound = SYNC_BOUND + (K if name == "confidence_cut" else 0)
-            ensure(syncs <= bound * rounds, f"{name} T={t:g}: {syncs} host syncs in {rounds} rounds > {bound} per round")
+            ensure(
+                syncs <= bound * rounds, f"{name} T={t:g}: {syncs} host syncs in {rounds} rounds > {bound} per round"
+            )
             if t == 0:
-                gate.check({"lang": "-", "id": name, "method": name}, reference.tokens, generation.tokens,
-                           lambda position: top2_gap(target_model, ids, reference.tokens[:position]))
+                gate.check(
+                    {"lang": "-", "id": name, "method": name},
+                    reference.tokens,
+                    generation.tokens,
+                    lambda position: top2_gap(target_model, ids, reference.tokens[:position]),
+                )
             else:
                 again, _, _ = decode_trapped(ctx, target, kind, ids, sampling)
                 ensure(again.tokens == generation.tokens, f"{name} T=1: the same seed gave other tokens")
-            figures[f"{name}/T{t:g}"] = {"tokens": len(generation.tokens), "rounds": rounds,
-                                          "accepted": sum(generation.accepted), "drafted": sum(generation.drafted),
-                                          "host_syncs_per_round": round(syncs / rounds, 2),
-                                          "cuda_sync_warnings_per_round": round(cuda_syncs / rounds, 2)}
+            figures[f"{name}/T{t:g}"] = {
+                "tokens": len(generation.tokens),
+                "rounds": rounds,
+                "accepted": sum(generation.accepted),
+                "drafted": sum(generation.drafted),
+                "host_syncs_per_round": round(syncs / rounds, 2),
+                "cuda_sync_warnings_per_round": round(cuda_syncs / rounds, 2),
+            }
     ensure(not gate.mismatches, f"greedy output differs from the target's: {gate.mismatches[:1]}")
-    ensure(sum(f["accepted"] for k, f in figures.items() if k.startswith("model/")) > 0, "the model drafter never accepted")
+    ensure(
+        sum(f["accepted"] for k, f in figures.items() if k.startswith("model/")) > 0, "the model drafter never accepted"
+    )
     return figures
 
 
@@ -121,15 +156,21 @@ def check_rollback(ctx) -> dict:
     target_model, drafter, vocab_map, reduced_drafter, _ = small_pair(ctx)
     ids = prompt_ids(SMALL, 24, ctx.device, seed=5)
     worst = {}
-    for name, lm in {"target": CachedModel(target_model), "drafter": CachedModel(drafter),
-                     "reduced_vocab": CachedModel(reduced_drafter, vocab_map)}.items():
+    for name, lm in {
+        "target": CachedModel(target_model),
+        "drafter": CachedModel(drafter),
+        "reduced_vocab": CachedModel(reduced_drafter, vocab_map),
+    }.items():
         lm.reset()
         lm.forward(ids[:, :20], keep=1)
         lm.rollback(16)
         cached = lm.forward(ids[:, 16:18], keep=2)
         with torch.inference_mode():
-            fresh = lm.model(input_ids=lm.vocab_map.encode(ids[:, :18]) if lm.vocab_map else ids[:, :18],
-                             use_cache=False).logits[:, -2:, : cached.shape[-1]].float()
+            fresh = (
+                lm.model(input_ids=lm.vocab_map.encode(ids[:, :18]) if lm.vocab_map else ids[:, :18], use_cache=False)
+                .logits[:, -2:, : cached.shape[-1]]
+                .float()
+            )
         worst[name] = float((cached - fresh).abs().max())
         ensure(worst[name] < 1e-3, f"{name}: logits after a KV rollback differ from recomputation by {worst[name]:.3g}")
     return {"max_abs_logit_difference": worst}
@@ -151,8 +192,12 @@ def check_bf16(ctx) -> dict:
         ours = generate(target, ids, SMALL.max_new_tokens, stop(), drafter=ModelDrafter(served), k=K)
         hf = hf_generate(target16, ids, SMALL.max_new_tokens, stop(), Sampling(0.0), 0, assistant=served, k=K)
         for name, tokens, ref in (("ours", ours.tokens, reference), ("hf_assisted", hf, hf_reference)):
-            gate.check({"lang": "-", "id": str(dtype), "method": name}, ref, tokens,
-                       lambda position: top2_gap(target16, ids, ref[:position]))
+            gate.check(
+                {"lang": "-", "id": str(dtype), "method": name},
+                ref,
+                tokens,
+                lambda position: top2_gap(target16, ids, ref[:position]),
+            )
         figures[str(dtype).removeprefix("torch.")] = {"ours_tau": len(ours.tokens) / ours.target_calls}
     ensure(not gate.mismatches, f"bf16 greedy output differs beyond a tie: {gate.mismatches[:1]}")
     return figures | {"ties": len(gate.ties), "exact": gate.exact}
@@ -189,10 +234,18 @@ def check_sampler(ctx) -> dict:
         dof = vocab - 1
         bound = dof + 6 * (2 * dof) ** 0.5
         tv = float((observed / rows - target[0, 0].double()).abs().sum() / 2)
-        ensure(chi2 < bound, f"{name}: verify's first token is not the target's distribution (chi2 {chi2:.1f} > {bound:.1f})")
+        ensure(
+            chi2 < bound,
+            f"{name}: verify's first token is not the target's distribution (chi2 {chi2:.1f} > {bound:.1f})",
+        )
         ensure(first.device.type == ctx.device.type, f"{name}: verify returned tokens on {first.device}")
-        figures[name] = {"rows": rows, "chi2": round(chi2, 2), "chi2_bound": round(bound, 2), "tv": round(tv, 5),
-                         "acceptance": round(float((accepted > 0).double().mean()), 4)}
+        figures[name] = {
+            "rows": rows,
+            "chi2": round(chi2, 2),
+            "chi2_bound": round(bound, 2),
+            "tv": round(tv, 5),
+            "acceptance": round(float((accepted > 0).double().mean()), 4),
+        }
     return figures
 
 
@@ -215,8 +268,10 @@ def check_clock(ctx) -> dict:
     end.record()
     seconds = devices.clock(ctx.device) - started
     events = start.elapsed_time(end) / 1000
-    ensure(abs(seconds - events) <= 0.1 * events + 0.002,
-           f"clock {seconds * 1000:.2f} ms vs CUDA events {events * 1000:.2f} ms for 50 matmuls")
+    ensure(
+        abs(seconds - events) <= 0.1 * events + 0.002,
+        f"clock {seconds * 1000:.2f} ms vs CUDA events {events * 1000:.2f} ms for 50 matmuls",
+    )
     return {"clock_ms": round(seconds * 1000, 3), "cuda_events_ms": round(events * 1000, 3)}
 
 
@@ -244,9 +299,20 @@ def training_config(shapes, steps: int, save_every: int):
     from pipeline.config import compose_config
 
     base = compose_config(["recipe=ci"]).train.pretrain
-    return OmegaConf.merge(base, {"max_steps": steps, "batch_size": shapes.train["batch_size"], "grad_accum": 1,
-                                  "max_length": shapes.train["max_length"], "log_every": 1, "save_every": save_every,
-                                  "mixed_precision": "bf16", "resume": "auto", "token_budget": None})
+    return OmegaConf.merge(
+        base,
+        {
+            "max_steps": steps,
+            "batch_size": shapes.train["batch_size"],
+            "grad_accum": 1,
+            "max_length": shapes.train["max_length"],
+            "log_every": 1,
+            "save_every": save_every,
+            "mixed_precision": "bf16",
+            "resume": "auto",
+            "token_budget": None,
+        },
+    )
 
 
 def training_examples(shapes, count: int) -> list[dict]:
@@ -255,8 +321,9 @@ def training_examples(shapes, count: int) -> list[dict]:
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
-def _train(ctx, out_dir: Path, steps: int, save_every: int, compile_model: bool = False,
-           preempt_at: int | None = None) -> dict:
+def _train(
+    ctx, out_dir: Path, steps: int, save_every: int, compile_model: bool = False, preempt_at: int | None = None
+) -> dict:
     from accelerate.state import AcceleratorState
 
     from pipeline.training import loop
@@ -273,6 +340,7 @@ def _train(ctx, out_dir: Path, steps: int, save_every: int, compile_model: bool 
         losses[step] = metrics["loss"]
         if preempt_at is not None and step == preempt_at - 1:
             os.kill(os.getpid(), signal.SIGUSR1)
+
     examples = training_examples(shapes, shapes.train["batch_size"] * max(steps, 4))
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)

@@ -9,10 +9,9 @@ from pathlib import Path
 import torch
 
 from pipeline.bench import ties
-from pipeline.gpu_check.checks import K, CheckFailed, _train, ensure, stop
+from pipeline.gpu_check.checks import CheckFailed, K, _train, ensure, stop
 from pipeline.gpu_check.models import calibrate, last_token_pair, prompt_ids, random_model
-from pipeline.speculative.engine import (CachedModel, ModelDrafter, generate, hf_generate, predicted_speedup,
-                                         step_costs)
+from pipeline.speculative.engine import CachedModel, ModelDrafter, generate, hf_generate, predicted_speedup, step_costs
 from pipeline.speculative.metrics import measure, method_stats, timed
 from pipeline.speculative.sampler import Sampling
 
@@ -50,13 +49,20 @@ def measure_costs(ctx) -> dict:
             figures[f"context_{context}/drafter_{dtype}"] = {
                 "target_ms_per_step": round(costs["target_step_s"] * 1000, 3),
                 "drafter_ms_per_step": round(costs["drafter_step_s"] * 1000, 3),
-                "c": round(costs["c"], 4), "v": {k: round(v, 3) for k, v in costs["v"].items()}}
+                "c": round(costs["c"], 4),
+                "v": {k: round(v, 3) for k, v in costs["v"].items()},
+            }
     for key, value in figures.items():
-        ensure(value["target_ms_per_step"] > 0 and all(v > 0 for v in value["v"].values()), f"{key}: a cost is not positive")
+        ensure(
+            value["target_ms_per_step"] > 0 and all(v > 0 for v in value["v"].values()),
+            f"{key}: a cost is not positive",
+        )
     ctx.cache["costs"] = figures
-    return figures | {"peak_memory_gib": peak_gib(ctx.device),
-                      "target": f"random bf16 Llama {ctx.shapes.target}, vocab {ctx.shapes.vocab}",
-                      "drafter": f"random Llama {ctx.shapes.drafter}"}
+    return figures | {
+        "peak_memory_gib": peak_gib(ctx.device),
+        "target": f"random bf16 Llama {ctx.shapes.target}, vocab {ctx.shapes.vocab}",
+        "drafter": f"random Llama {ctx.shapes.drafter}",
+    }
 
 
 def measure_engine(ctx) -> dict:
@@ -76,19 +82,42 @@ def measure_engine(ctx) -> dict:
             sampling = Sampling(t)
             ours_drafter = ModelDrafter(drafter)
             methods = {
-                "target": lambda ids, seed: generate(target, ids, shapes.max_new_tokens, stop(), sampling,
-                                                     generator=torch.Generator(device=ctx.device).manual_seed(seed)),
-                "ours": lambda ids, seed: generate(target, ids, shapes.max_new_tokens, stop(), sampling, drafter=ours_drafter,
-                                                   k=K, generator=torch.Generator(device=ctx.device).manual_seed(seed)),
-                "hf": lambda ids, seed: timed(lambda: hf_generate(target_model, ids, shapes.max_new_tokens, stop(),
-                                                                  sampling, seed), ctx.device),
-                "hf_assisted": lambda ids, seed: timed(lambda: hf_generate(target_model, ids, shapes.max_new_tokens, stop(),
-                                                                           sampling, seed, assistant=drafter, k=K), ctx.device),
+                "target": lambda ids, seed: generate(
+                    target,
+                    ids,
+                    shapes.max_new_tokens,
+                    stop(),
+                    sampling,
+                    generator=torch.Generator(device=ctx.device).manual_seed(seed),
+                ),
+                "ours": lambda ids, seed: generate(
+                    target,
+                    ids,
+                    shapes.max_new_tokens,
+                    stop(),
+                    sampling,
+                    drafter=ours_drafter,
+                    k=K,
+                    generator=torch.Generator(device=ctx.device).manual_seed(seed),
+                ),
+                "hf": lambda ids, seed: timed(
+                    lambda: hf_generate(target_model, ids, shapes.max_new_tokens, stop(), sampling, seed), ctx.device
+                ),
+                "hf_assisted": lambda ids, seed: timed(
+                    lambda: hf_generate(
+                        target_model, ids, shapes.max_new_tokens, stop(), sampling, seed, assistant=drafter, k=K
+                    ),
+                    ctx.device,
+                ),
             }
             for decode in methods.values():  # warm-up
                 decode(prompts[0], 0)
-            outputs = {name: [measure(lambda: decode(ids, seed), shapes.repetitions // 2 or 1)
-                              for seed, ids in enumerate(prompts)] for name, decode in methods.items()}
+            outputs = {
+                name: [
+                    measure(lambda: decode(ids, seed), shapes.repetitions // 2 or 1) for seed, ids in enumerate(prompts)
+                ]
+                for name, decode in methods.items()
+            }
             stats = {name: method_stats(gens) for name, gens in outputs.items()}
             base = stats["target"]["tokens_per_s"]
             ours = stats["ours"]
@@ -99,11 +128,13 @@ def measure_engine(ctx) -> dict:
                 "calibration": calibration,
                 "tokens_per_s": {name: round(s["tokens_per_s"], 2) for name, s in stats.items()},
                 "speedup_over_target": {name: round(s["tokens_per_s"] / base, 3) for name, s in stats.items()},
-                "tau": round(ours["tau"], 3), "alpha": round(ours["alpha"], 3),
+                "tau": round(ours["tau"], 3),
+                "alpha": round(ours["alpha"], 3),
                 "speedup_predicted": round(predicted, 3),
                 "measured_over_predicted": round(ours["tokens_per_s"] / base / predicted, 3),
                 "python_overhead_ms_per_round": round((ours["seconds"] - forwards) / rounds * 1000, 3),
-                "ours_over_hf_assisted": round(ours["tokens_per_s"] / stats["hf_assisted"]["tokens_per_s"], 3)}
+                "ours_over_hf_assisted": round(ours["tokens_per_s"] / stats["hf_assisted"]["tokens_per_s"], 3),
+            }
     return figures
 
 
@@ -117,7 +148,9 @@ def measure_ties(ctx) -> dict:
     per_prompt = []
     for seed in range(shapes.prompts):
         ids = prompt_ids(shapes, shapes.contexts[0], ctx.device, seed=100 + seed)
-        answer = torch.tensor([generate(CachedModel(model), ids, shapes.max_new_tokens, stop()).tokens], device=ctx.device)
+        answer = torch.tensor(
+            [generate(CachedModel(model), ids, shapes.max_new_tokens, stop()).tokens], device=ctx.device
+        )
         if answer.shape[1] < 2:
             continue
         per_prompt.append(ties.compare(ties.teacher_forced(model, ids, answer)))
@@ -149,11 +182,16 @@ def measure_training(ctx) -> dict:
                 figures[variant] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
                 continue
         s = run["summary"]
-        figures[variant] = {"tokens_per_s": s["tokens_per_s"], "ms_per_step": round(s["train_time_s"] / steps * 1000, 1),
-                            "peak_memory_gib": s.get("peak_memory_gib"), "steps": steps,
-                            "batch": f"{ctx.shapes.train['batch_size']}x{ctx.shapes.train['max_length']}"}
+        figures[variant] = {
+            "tokens_per_s": s["tokens_per_s"],
+            "ms_per_step": round(s["train_time_s"] / steps * 1000, 1),
+            "peak_memory_gib": s.get("peak_memory_gib"),
+            "steps": steps,
+            "batch": f"{ctx.shapes.train['batch_size']}x{ctx.shapes.train['max_length']}",
+        }
     if ctx.device.type != "cuda":
         figures["compile"] = "measured on CUDA only"
-    figures["eval_engine_static_cache_compile"] = ("not adopted: the engine's DynamicCache crop-based rollback has no "
-                                                   "exact static-cache counterpart yet")
+    figures["eval_engine_static_cache_compile"] = (
+        "not adopted: the engine's DynamicCache crop-based rollback has no exact static-cache counterpart yet"
+    )
     return figures

@@ -19,8 +19,10 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2
-WORDS = ("Translate German to English : English Das Wetter ist heute sehr schön . Bitte schicken Sie mir die "
-         "Unterlagen bis Freitag Die Sitzung wurde auf Donnerstag verschoben Wo der nächste Bahnhof ?").split()
+WORDS = (
+    "Translate German to English : English Das Wetter ist heute sehr schön . Bitte schicken Sie mir die "
+    "Unterlagen bis Freitag Die Sitzung wurde auf Donnerstag verschoben Wo der nächste Bahnhof ?"
+).split()
 
 
 @dataclass(frozen=True)
@@ -39,28 +41,59 @@ class Shapes:
 
 
 SHAPES = {
-    "tiny": Shapes("tiny", vocab=512,
-                   target=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                               num_key_value_heads=2),
-                   drafter=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                num_key_value_heads=2),
-                   contexts=(16, 64), ks=(1, 2, 4), max_new_tokens=24, prompts=2, repetitions=3, sampler_rows=20_000,
-                   train=dict(batch_size=4, max_length=32, steps=4)),
-    "real": Shapes("real", vocab=32000,  # Llama-2-7B and JackFram/llama-68m
-                   target=dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                               num_key_value_heads=32),
-                   drafter=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=12,
-                                num_key_value_heads=12),
-                   contexts=(128, 1024), max_new_tokens=128, prompts=4, repetitions=10, sampler_rows=1_000_000,
-                   train=dict(batch_size=32, max_length=512, steps=20)),
+    "tiny": Shapes(
+        "tiny",
+        vocab=512,
+        target=dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2
+        ),
+        drafter=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2
+        ),
+        contexts=(16, 64),
+        ks=(1, 2, 4),
+        max_new_tokens=24,
+        prompts=2,
+        repetitions=3,
+        sampler_rows=20_000,
+        train=dict(batch_size=4, max_length=32, steps=4),
+    ),
+    "real": Shapes(
+        "real",
+        vocab=32000,  # Llama-2-7B and JackFram/llama-68m
+        target=dict(
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+        ),
+        drafter=dict(
+            hidden_size=768, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=12, num_key_value_heads=12
+        ),
+        contexts=(128, 1024),
+        max_new_tokens=128,
+        prompts=4,
+        repetitions=10,
+        sampler_rows=1_000_000,
+        train=dict(batch_size=32, max_length=512, steps=20),
+    ),
 }
 # The correctness checks run small models on every device: what they check does not depend on the size.
 SMALL = SHAPES["tiny"]
 
 
 def llama_config(fields: dict, vocab: int) -> LlamaConfig:
-    return LlamaConfig(vocab_size=vocab, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
-                       pad_token_id=None, tie_word_embeddings=False, rms_norm_eps=1e-6, **fields)
+    return LlamaConfig(
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        **fields,
+    )
 
 
 def random_model(fields: dict, vocab: int, device: torch.device, dtype=torch.float32, seed: int = 0):
@@ -72,8 +105,9 @@ def random_model(fields: dict, vocab: int, device: torch.device, dtype=torch.flo
 
 
 @torch.no_grad()
-def last_token_pair(shapes: Shapes, device: torch.device, target_dtype=torch.bfloat16, logit_std: float = 3.0,
-                    seed: int = 0):
+def last_token_pair(
+    shapes: Shapes, device: torch.device, target_dtype=torch.bfloat16, logit_std: float = 3.0, seed: int = 0
+):
     """(target, drafter, table): a target whose next-token logits are a function of the last token only, and a
     full-vocabulary drafter at the drafter shape computing the same function (its noise is set by ``set_noise``)."""
     target = random_model(shapes.target, shapes.vocab, device, target_dtype, seed)
@@ -105,11 +139,14 @@ def set_noise(drafter, table: dict, sigma: float) -> None:
 
 @torch.no_grad()
 def acceptance(target, drafter, tokens: torch.Tensor) -> dict:
-    """The pair's expected acceptance over ``tokens`` (1, n) as the last token: T=1, sum min(p, q); T=0, argmax agreement."""
+    """The pair's expected acceptance over ``tokens`` (1, n) as the last token: T=1, sum min(p, q); T=0, argmax
+    agreement."""
     p = target(input_ids=tokens).logits[0].float()
     q = drafter(input_ids=tokens).logits[0].float()
-    return {"T1": float(torch.minimum(p.softmax(-1), q.softmax(-1)).sum(-1).mean()),
-            "T0": float((p.argmax(-1) == q.argmax(-1)).float().mean())}
+    return {
+        "T1": float(torch.minimum(p.softmax(-1), q.softmax(-1)).sum(-1).mean()),
+        "T0": float((p.argmax(-1) == q.argmax(-1)).float().mean()),
+    }
 
 
 def calibrate(target, drafter, table: dict, alpha: float, vocab: int, device: torch.device) -> dict:
@@ -149,10 +186,16 @@ def prompt_ids(shapes: Shapes, length: int, device: torch.device, seed: int = 0)
 
 def source_file(path: Path, count: int) -> Path:
     """Held-out prompts for a stage run (data.sources=file): sentences of the tokenizer's words."""
-    sentences = ["Das Wetter ist heute sehr schön .", "Bitte schicken Sie mir die Unterlagen bis Freitag .",
-                 "Die Sitzung wurde auf Donnerstag verschoben .", "Wo ist der nächste Bahnhof ?"]
+    sentences = [
+        "Das Wetter ist heute sehr schön .",
+        "Bitte schicken Sie mir die Unterlagen bis Freitag .",
+        "Die Sitzung wurde auf Donnerstag verschoben .",
+        "Wo ist der nächste Bahnhof ?",
+    ]
     with path.open("w") as handle:
         for i in range(count):
-            src = sentences[i % len(sentences)] + " " + " ".join(f"w{i * 7 + j}" for j in range(i // len(sentences) + 1))
+            src = (
+                sentences[i % len(sentences)] + " " + " ".join(f"w{i * 7 + j}" for j in range(i // len(sentences) + 1))
+            )
             handle.write(json.dumps({"src": src, "ref": "English"}) + "\n")
     return path

@@ -23,28 +23,53 @@ def saved_pair(ctx, folder: Path) -> dict:
     shapes = ctx.shapes
     target, drafter, table = last_token_pair(shapes, ctx.device, getattr(torch, TARGET_DTYPE))
     calibrate(target, drafter, table, 0.7, shapes.vocab, ctx.device)
-    paths = {"target": folder / "target", "drafter": folder / "drafter", "reduced": folder / "drafter-reduced",
-             "sources": folder / "sources.jsonl"}
+    paths = {
+        "target": folder / "target",
+        "drafter": folder / "drafter",
+        "reduced": folder / "drafter-reduced",
+        "sources": folder / "sources.jsonl",
+    }
     target.save_pretrained(paths["target"])
     synthetic_tokenizer(shapes.vocab).save_pretrained(paths["target"])
     del target
     vocab_map = VocabMap(torch.arange(shapes.vocab // 2), shapes.vocab)
     save_drafter(drafter.cpu(), str(paths["target"]), None, paths["drafter"])
-    save_drafter(reduced(drafter, vocab_map.to(drafter.device)).cpu(), str(paths["target"]), vocab_map.to("cpu"),
-                 paths["reduced"])
+    save_drafter(
+        reduced(drafter, vocab_map.to(drafter.device)).cpu(),
+        str(paths["target"]),
+        vocab_map.to("cpu"),
+        paths["reduced"],
+    )
     source_file(paths["sources"], 32)
     return {name: str(path) for name, path in paths.items()}
 
 
 def overrides(ctx, paths: dict, runs_dir: Path) -> list[str]:
     shapes = ctx.shapes
-    return ["recipe=ci", "target.name=gpu-check", "target.source=local", f"target.path={paths['target']}",
-            f"target.dtype={TARGET_DTYPE}", "target.prompt_format=completion", "target.stop=[]", "data.sources=file",
-            f"data.source_file={paths['sources']}", "data.min_chars=1", f"paths.runs_dir={runs_dir}",
-            f"paths.cache_dir={runs_dir}/cache", f"eval.device={ctx.device}", f"eval.drafter_path={paths['drafter']}",
-            f"eval.num_prompts={shapes.prompts}", f"eval.max_new_tokens={shapes.max_new_tokens}", "eval.k_sweep=[2]",
-            "eval.seeds=[0]", "eval.repetitions=1", "eval.warmup=1", f"eval.num_draft_tokens={K}",
-            "logger=none"]
+    return [
+        "recipe=ci",
+        "target.name=gpu-check",
+        "target.source=local",
+        f"target.path={paths['target']}",
+        f"target.dtype={TARGET_DTYPE}",
+        "target.prompt_format=completion",
+        "target.stop=[]",
+        "data.sources=file",
+        f"data.source_file={paths['sources']}",
+        "data.min_chars=1",
+        f"paths.runs_dir={runs_dir}",
+        f"paths.cache_dir={runs_dir}/cache",
+        f"eval.device={ctx.device}",
+        f"eval.drafter_path={paths['drafter']}",
+        f"eval.num_prompts={shapes.prompts}",
+        f"eval.max_new_tokens={shapes.max_new_tokens}",
+        "eval.k_sweep=[2]",
+        "eval.seeds=[0]",
+        "eval.repetitions=1",
+        "eval.warmup=1",
+        f"eval.num_draft_tokens={K}",
+        "logger=none",
+    ]
 
 
 def check_stages(ctx) -> dict:
@@ -65,18 +90,32 @@ def check_stages(ctx) -> dict:
     export_drafter(paths["reduced"], paths["target"], export_dir / "drafter", K)
     smoke, gate = smoke_check(cfg, paths["target"], paths["reduced"], export_dir / "drafter", ctx.device, export_dir)
     ensure(not gate.mismatches, f"export smoke check: {len(gate.mismatches)} greedy mismatches")
-    ensure(smoke["t1"]["within_noise"], f"export smoke check: T=1 tau transformers {smoke['t1']['tau_hf']:.3f} vs "
-                                        f"ours {smoke['t1']['tau_ours']:.3f}")
+    ensure(
+        smoke["t1"]["within_noise"],
+        f"export smoke check: T=1 tau transformers {smoke['t1']['tau_hf']:.3f} vs ours {smoke['t1']['tau_ours']:.3f}",
+    )
     run_stage("eval", compose_config([*args, "force=true"]))
     metrics = json.loads(next(runs_dir.glob("**/eval/metrics.json")).read_text())
     lossless = metrics["lossless"]
     ensure(not lossless["mismatches"], f"eval stage: {len(lossless['mismatches'])} greedy mismatches")
     summary = metrics["results"]["de-en"]
     shutil.rmtree(folder / "target")  # 13 GB at the real shapes
-    return {"export_smoke": {"greedy": {k: smoke["greedy"][k] for k in ("outputs_checked", "exact")},
-                             "ties": len(smoke["greedy"]["ties"]), "t1": smoke["t1"]},
-            "eval": {"outputs_checked": lossless["outputs_checked"], "exact": lossless["exact"],
-                     "ties": len(lossless["ties"]), "mismatches": 0, "costs": metrics["costs"],
-                     "speedup": {t: {name: round(s["speedup"]["mean"], 3) for name, s in r["summary"].items()}
-                                 for t, r in summary.items()}},
-            "pair": paths["target"]}
+    return {
+        "export_smoke": {
+            "greedy": {k: smoke["greedy"][k] for k in ("outputs_checked", "exact")},
+            "ties": len(smoke["greedy"]["ties"]),
+            "t1": smoke["t1"],
+        },
+        "eval": {
+            "outputs_checked": lossless["outputs_checked"],
+            "exact": lossless["exact"],
+            "ties": len(lossless["ties"]),
+            "mismatches": 0,
+            "costs": metrics["costs"],
+            "speedup": {
+                t: {name: round(s["speedup"]["mean"], 3) for name, s in r["summary"].items()}
+                for t, r in summary.items()
+            },
+        },
+        "pair": paths["target"],
+    }

@@ -45,10 +45,13 @@ class PlacementTrap(TorchFunctionMode):
             if isinstance(leaf, torch.Tensor):
                 self.checked += 1
                 if leaf.device.type != self.device.type or (
-                        self.device.index is not None and leaf.device.index not in (None, self.device.index)):
+                    self.device.index is not None and leaf.device.index not in (None, self.device.index)
+                ):
                     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
-                    raise PlacementError(f"{name} made a tensor on {leaf.device}, not on {self.device} "
-                                         f"(a tensor created without device=?)")
+                    raise PlacementError(
+                        f"{name} made a tensor on {leaf.device}, not on {self.device} "
+                        f"(a tensor created without device=?)"
+                    )
         return out
 
 
@@ -70,7 +73,8 @@ class SyncCounter(TorchFunctionMode):
 
 
 class CudaSyncWarnings:
-    """``torch.cuda.set_sync_debug_mode("warn")`` while inside: the number of synchronizing CUDA calls (0 on the CPU)."""
+    """``torch.cuda.set_sync_debug_mode("warn")`` while inside: the number of synchronizing CUDA calls (0 on the
+    CPU)."""
 
     def __init__(self, device: torch.device):
         self.device, self.count = device, 0

@@ -36,8 +36,9 @@ def reduced_vocab(drafter: DictConfig, counts: torch.Tensor, tokenizer) -> Vocab
     return VocabMap.most_frequent(counts, drafter.reduced_vocab, always=tokenizer.all_special_ids)
 
 
-def specialize_vocab(model: PreTrainedModel, vocab: VocabMap, counts: torch.Tensor, tokenizer,
-                     target_path: str | None = None) -> VocabMap:
+def specialize_vocab(
+    model: PreTrainedModel, vocab: VocabMap, counts: torch.Tensor, tokenizer, target_path: str | None = None
+) -> VocabMap:
     """A pretrained reduced-vocab drafter adapted to its finetuning data: its rows for ids that data never
     uses are re-pointed at the data's frequent unmapped ids (``VocabMap.specialize``) and restart from the
     mean embedding, or, given ``target_path`` (drafter.embeddings_from_target), the input rows from the
@@ -50,7 +51,8 @@ def specialize_vocab(model: PreTrainedModel, vocab: VocabMap, counts: torch.Tens
             weight[rows] = weight[: vocab.unk_id].mean(0)
         if target_path is not None:
             model.get_input_embeddings().weight[rows] = target_embedding_rows(
-                target_path, model.config.hidden_size, specialized.target_ids[rows], std)
+                target_path, model.config.hidden_size, specialized.target_ids[rows], std
+            )
     return specialized
 
 
@@ -82,7 +84,8 @@ def init_drafter(drafter: DictConfig, target_path: str, vocab: VocabMap | None, 
         ids = vocab.target_ids if vocab is not None else torch.arange(target_config.vocab_size)
         with torch.no_grad():
             model.get_input_embeddings().weight[: len(ids)] = target_embedding_rows(
-                target_path, drafter.hidden_size, ids, config.initializer_range)
+                target_path, drafter.hidden_size, ids, config.initializer_range
+            )
     return model
 
 
@@ -91,7 +94,9 @@ def target_embedding_rows(target_path: str, hidden_size: int, target_ids: torch.
     ``target_ids`` projected on the ``hidden_size`` largest principal directions of its whole embedding
     matrix, scaled so that the whole projected matrix has standard deviation ``std``. The projection
     depends on the target alone, so pretraining and the finetune's re-pointed rows share it."""
-    weight = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).get_input_embeddings().weight.detach()
+    weight = (
+        AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).get_input_embeddings().weight.detach()
+    )
     if hidden_size > weight.shape[1]:
         raise ConfigError(f"drafter.embeddings_from_target needs drafter.hidden_size <= the target's {weight.shape[1]}")
     centered = weight - weight.mean(0)
@@ -116,7 +121,8 @@ def check_drafter(drafter_path: str, target_path: str, name: str = "drafter") ->
     if config.is_file() and json.loads(config.read_text()).get("model_type") == SpecdraftDrafterConfig.model_type:
         raise TokenizerMismatchError(
             f"{name} {drafter_path} is the transformers wrapper `make export` writes for serving; specdraft's engine "
-            "takes the drafter it was exported from (<run>/finetune/drafter), eval.engine=vllm takes this folder")
+            "takes the drafter it was exported from (<run>/finetune/drafter), eval.engine=vllm takes this folder"
+        )
     check_tokenizers(AutoTokenizer.from_pretrained(drafter_path), AutoTokenizer.from_pretrained(target_path), name)
     vocab = VocabMap.load(drafter_path) if Path(drafter_path).is_dir() else None
     target_size = AutoConfig.from_pretrained(target_path).vocab_size
@@ -130,8 +136,10 @@ def check_drafter(drafter_path: str, target_path: str, name: str = "drafter") ->
         )
     if mask is not None and not (mask == expected if vocab is not None else 0 <= mask < expected):
         where = f"its vocabulary's id {expected}, after the map's" if vocab is not None else f"a target id < {expected}"
-        raise TokenizerMismatchError(f"{name}'s mask token {PARD_TOKEN}={mask} is not {where}: it cannot draft in "
-                                     "parallel; finetune it again with train.finetune.parallel_draft.k=K")
+        raise TokenizerMismatchError(
+            f"{name}'s mask token {PARD_TOKEN}={mask} is not {where}: it cannot draft in "
+            "parallel; finetune it again with train.finetune.parallel_draft.k=K"
+        )
     if drafter_size != expected + (mask is not None and vocab is not None):
         raise TokenizerMismatchError(
             f"{name} predicts {drafter_size} tokens but the target's (padded) vocabulary needs {expected}; "
@@ -157,8 +165,9 @@ def make_parallel(model: PreTrainedModel, vocab: VocabMap | None, k: int, mask_i
     return model
 
 
-def load_drafter(path: str, target_path: str, name: str = "drafter",
-                 device: torch.device = torch.device("cpu")) -> tuple[PreTrainedModel, VocabMap | None]:
+def load_drafter(
+    path: str, target_path: str, name: str = "drafter", device: torch.device = torch.device("cpu")
+) -> tuple[PreTrainedModel, VocabMap | None]:
     """A drafter folder or hub id, after the compatibility gate, with its vocab map, on ``device``."""
     vocab = check_drafter(path, target_path, name)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
@@ -166,7 +175,8 @@ def load_drafter(path: str, target_path: str, name: str = "drafter",
 
 
 def published_weights(drafter: DictConfig) -> str | None:
-    """The hub id or folder the drafter's weights come from (``source=hub|local``, or ``init_from``); None: random init."""
+    """The hub id or folder the drafter's weights come from (``source=hub|local``, or ``init_from``); None: random
+    init."""
     return drafter.path if drafter.source != ModelSource.init else drafter.init_from
 
 
@@ -175,15 +185,25 @@ def start_from(drafter: DictConfig, target_path: str) -> tuple[PreTrainedModel, 
     compatibility gate; a checkpoint of another shape is refused in one line."""
     model, vocab = load_drafter(drafter.init_from, target_path, f"drafter.init_from {drafter.init_from}")
     config = model.config
-    expected = {"model_type": drafter.architecture, "hidden_size": drafter.hidden_size,
-                "num_hidden_layers": drafter.num_layers, "num_attention_heads": drafter.num_heads,
-                "num_key_value_heads": drafter.num_kv_heads or drafter.num_heads,
-                "intermediate_size": drafter.intermediate_size, "tie_word_embeddings": drafter.tie_word_embeddings}
-    if wrong := [f"{key} {getattr(config, key, None)} (not {value})" for key, value in expected.items()
-                 if getattr(config, key, None) != value]:
-        raise ConfigError(f"drafter.init_from {drafter.init_from} is not the shape of drafter {drafter.name}: "
-                          f"{', '.join(wrong)}; start from a checkpoint of that shape or choose a drafter config "
-                          "that matches it")
+    expected = {
+        "model_type": drafter.architecture,
+        "hidden_size": drafter.hidden_size,
+        "num_hidden_layers": drafter.num_layers,
+        "num_attention_heads": drafter.num_heads,
+        "num_key_value_heads": drafter.num_kv_heads or drafter.num_heads,
+        "intermediate_size": drafter.intermediate_size,
+        "tie_word_embeddings": drafter.tie_word_embeddings,
+    }
+    if wrong := [
+        f"{key} {getattr(config, key, None)} (not {value})"
+        for key, value in expected.items()
+        if getattr(config, key, None) != value
+    ]:
+        raise ConfigError(
+            f"drafter.init_from {drafter.init_from} is not the shape of drafter {drafter.name}: "
+            f"{', '.join(wrong)}; start from a checkpoint of that shape or choose a drafter config "
+            "that matches it"
+        )
     return model, vocab
 
 
@@ -201,7 +221,9 @@ def build_drafter(
     return load_drafter(drafter.path, target_path, drafter.name)
 
 
-def save_drafter(model: PreTrainedModel, target_path: str, vocab: VocabMap | None, folder: Path, state_dict=None) -> None:
+def save_drafter(
+    model: PreTrainedModel, target_path: str, vocab: VocabMap | None, folder: Path, state_dict=None
+) -> None:
     """Write the drafter folder atomically: weights, the target's tokenizer, the vocab map."""
     partial = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
     shutil.rmtree(partial, ignore_errors=True)

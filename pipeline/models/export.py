@@ -53,9 +53,12 @@ def export_drafter(drafter_path: str, target_path: str, folder: Path, num_draft_
         parallel = getattr(drafter.config, PARD_TOKEN, None) is not None
         reduced_tokenizer(target_tokenizer, vocab, parallel).save_pretrained(partial / VLLM_DIR)
     target_tokenizer.save_pretrained(partial)
-    GenerationConfig(**{name: getattr(target_tokenizer, name) for name in SPECIAL_IDS},
-                     num_assistant_tokens=num_draft_tokens, num_assistant_tokens_schedule="constant",
-                     assistant_confidence_threshold=0.0).save_pretrained(partial)
+    GenerationConfig(
+        **{name: getattr(target_tokenizer, name) for name in SPECIAL_IDS},
+        num_assistant_tokens=num_draft_tokens,
+        num_assistant_tokens_schedule="constant",
+        assistant_confidence_threshold=0.0,
+    ).save_pretrained(partial)
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(partial, folder)
     return vocab
@@ -86,8 +89,9 @@ def reduced_tokenizer(target_tokenizer, vocab: VocabMap, parallel: bool = False)
     table = {token: i for i, token in enumerate(strings)} | {UNMAPPED_TOKEN: vocab.unk_id}
     if parallel:
         table[MASK_TOKEN] = vocab.unk_id + 1
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(table, unk_token=UNMAPPED_TOKEN)),
-                                   unk_token=UNMAPPED_TOKEN)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(table, unk_token=UNMAPPED_TOKEN)), unk_token=UNMAPPED_TOKEN
+    )
 
 
 def vllm_mapping_problem(target_path: str, folder: Path, vocab: VocabMap) -> str | None:
@@ -97,14 +101,22 @@ def vllm_mapping_problem(target_path: str, folder: Path, vocab: VocabMap) -> str
         from vllm.v1.spec_decode.vocab_mapping import VocabMapping
     except ImportError as exc:
         return f"vLLM is not installed here ({exc}), so its vocabulary mapping could not be checked"
-    mapping = VocabMapping(AutoTokenizer.from_pretrained(target_path), AutoTokenizer.from_pretrained(folder / VLLM_DIR),
-                           vocab.target_vocab_size, AutoConfig.from_pretrained(folder / VLLM_DIR).vocab_size, "cpu")
+    mapping = VocabMapping(
+        AutoTokenizer.from_pretrained(target_path),
+        AutoTokenizer.from_pretrained(folder / VLLM_DIR),
+        vocab.target_vocab_size,
+        AutoConfig.from_pretrained(folder / VLLM_DIR).vocab_size,
+        "cpu",
+    )
     wrong = int((mapping.draft_to_target_ids[: vocab.unk_id] != vocab.target_ids.cpu()).sum())
-    wrong_inputs = int((mapping.map_target_to_draft_ids(torch.arange(vocab.target_vocab_size))
-                        != vocab.to_drafter.cpu()).sum())
+    wrong_inputs = int(
+        (mapping.map_target_to_draft_ids(torch.arange(vocab.target_vocab_size)) != vocab.to_drafter.cpu()).sum()
+    )
     if wrong or wrong_inputs or int(mapping.draft_to_target_ids[vocab.unk_id]) != -1:
-        return (f"vLLM's heterogeneous vocabulary (token-string intersection) maps {wrong} of the drafter's "
-                f"{vocab.unk_id} ids and {wrong_inputs} target input ids differently from its vocab map")
+        return (
+            f"vLLM's heterogeneous vocabulary (token-string intersection) maps {wrong} of the drafter's "
+            f"{vocab.unk_id} ids and {wrong_inputs} target input ids differently from its vocab map"
+        )
     return None
 
 
@@ -149,7 +161,8 @@ def sliding_window_target(target_path: str) -> bool:
     text = AutoConfig.from_pretrained(target_path).get_text_config()
     layer_types = getattr(text, "layer_types", None) or []
     return "sliding_attention" in layer_types or bool(
-        getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True) and not layer_types)
+        getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True) and not layer_types
+    )
 
 
 def draft_tensor_parallel_sizes(folder: Path, candidates: tuple[int, ...] = (1, 2, 4, 8)) -> list[int]:
@@ -160,5 +173,6 @@ def draft_tensor_parallel_sizes(folder: Path, candidates: tuple[int, ...] = (1, 
     text = AutoConfig.from_pretrained(folder).get_text_config()
     heads, width = text.num_attention_heads, text.intermediate_size
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    return [tp for tp in candidates
-            if heads % tp == 0 and width % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)]
+    return [
+        tp for tp in candidates if heads % tp == 0 and width % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
+    ]

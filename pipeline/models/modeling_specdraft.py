@@ -41,8 +41,9 @@ class SpecdraftDrafterForCausalLM(PreTrainedModel, GenerationMixin):
         inner = dict(config.drafter_config)
         inner_config = AutoConfig.for_model(inner.pop("model_type"), **inner)
         # the dtype from_pretrained(dtype=...) builds in (its default dtype here); from_config alone would reset it
-        self.drafter = AutoModelForCausalLM.from_config(inner_config, attn_implementation=config._attn_implementation,
-                                                        dtype=torch.get_default_dtype())
+        self.drafter = AutoModelForCausalLM.from_config(
+            inner_config, attn_implementation=config._attn_implementation, dtype=torch.get_default_dtype()
+        )
         # target id -> drafter id (N for the unmapped ones): the input lookup and, inverted, the output's places
         self.register_buffer("to_drafter", torch.zeros(config.vocab_size, dtype=torch.long))
         # the unmapped id N: the drafter's last id, or the one before a parallel drafter's mask token (N + 1)
@@ -55,13 +56,30 @@ class SpecdraftDrafterForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.drafter.get_output_embeddings()
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None,
-                logits_to_keep=0, **kwargs) -> CausalLMOutputWithPast:
-        out = self.drafter(input_ids=self.to_drafter[input_ids], attention_mask=attention_mask,
-                           position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
-                           logits_to_keep=logits_to_keep, **kwargs)
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        out = self.drafter(
+            input_ids=self.to_drafter[input_ids],
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **kwargs,
+        )
         # the unmapped id's logit becomes -inf, then every target id reads its drafter id's logit
         logits = out.logits.index_fill(-1, torch.tensor([self.unmapped], device=out.logits.device), float("-inf"))
-        return CausalLMOutputWithPast(logits=logits.index_select(-1, self.to_drafter),
-                                      past_key_values=out.past_key_values, hidden_states=out.hidden_states,
-                                      attentions=out.attentions)
+        return CausalLMOutputWithPast(
+            logits=logits.index_select(-1, self.to_drafter),
+            past_key_values=out.past_key_values,
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
+        )

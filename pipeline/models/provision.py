@@ -90,13 +90,27 @@ def check_model_name(name: str, key: str, hub: bool = True) -> None:
             return
         except HFValidationError:
             pass
-    raise ModelNotFoundError(f"{key}={name}: no such folder{' and not a hub id' if hub else ''}; set {key} to an HF "
-                             f"model folder{' or a hub id (org/name)' if hub else ''}")
+    raise ModelNotFoundError(
+        f"{key}={name}: no such folder{' and not a hub id' if hub else ''}; set {key} to an HF "
+        f"model folder{' or a hub id (org/name)' if hub else ''}"
+    )
 
 
 # The files of a hub repo that hold weights: a stand-in (dry run) needs none of them, a model one format.
-WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.onnx", "*.ot", "*.gguf",
-                "*.tflite", "original/*")
+WEIGHT_FILES = (
+    "*.safetensors",
+    "*.bin",
+    "*.pt",
+    "*.pth",
+    "*.ckpt",
+    "*.h5",
+    "*.msgpack",
+    "*.onnx",
+    "*.ot",
+    "*.gguf",
+    "*.tflite",
+    "original/*",
+)
 
 
 def _ignored(files: list[str], weights: bool) -> list[str]:
@@ -104,19 +118,23 @@ def _ignored(files: list[str], weights: bool) -> list[str]:
     and vLLM load (safetensors, else PyTorch .bin: Vicuna v1.3 ships only .bin, Llama-2-chat both)."""
     if not weights:
         return list(WEIGHT_FILES)
-    loaded = "*.safetensors" if any(f.endswith(".safetensors") and not f.startswith("original/") for f in files) else "*.bin"
+    loaded = (
+        "*.safetensors" if any(f.endswith(".safetensors") and not f.startswith("original/") for f in files) else "*.bin"
+    )
     return [pattern for pattern in WEIGHT_FILES if pattern != loaded]
 
 
 def cached_snapshot(repo_id: str, revision: str | None, weights: bool = True) -> str | None:
-    """The complete snapshot folder of ``repo_id`` at ``revision`` (None: main) in the HF cache, or None; no hub call."""
+    """The complete snapshot folder of ``repo_id`` at ``revision`` (None: main) in the HF cache, or None; no hub
+    call."""
     from huggingface_hub import get_cached_repo_tree, snapshot_download
     from huggingface_hub.errors import CachedRepoTreeNotFoundError, LocalEntryNotFoundError
 
     try:
         files = [entry.path for entry in get_cached_repo_tree(repo_id, revision=revision)]
-        return snapshot_download(repo_id, revision=revision, ignore_patterns=_ignored(files, weights),
-                                 local_files_only=True)
+        return snapshot_download(
+            repo_id, revision=revision, ignore_patterns=_ignored(files, weights), local_files_only=True
+        )
     except (CachedRepoTreeNotFoundError, LocalEntryNotFoundError):
         return None
 
@@ -132,8 +150,10 @@ def download_snapshot(repo_id: str, revision: str | None, weights: bool = True) 
         return snapshot_download(repo_id, revision=revision, ignore_patterns=_ignored(files, weights))
     except httpx2.HTTPError as exc:  # the hub unreachable, a gated repo without a token, an unknown id
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise NotPreparedError(f"cannot download {repo_id} from the hub ({reason}): a gated model needs `hf auth "
-                               f"login` or HF_TOKEN; where the hub is unreachable, {prepare_hint()}") from exc
+        raise NotPreparedError(
+            f"cannot download {repo_id} from the hub ({reason}): a gated model needs `hf auth "
+            f"login` or HF_TOKEN; where the hub is unreachable, {prepare_hint()}"
+        ) from exc
 
 
 def hub_snapshot(repo_id: str, revision: str | None, weights: bool = True) -> str:
@@ -141,8 +161,10 @@ def hub_snapshot(repo_id: str, revision: str | None, weights: bool = True) -> st
     if folder := cached_snapshot(repo_id, revision, weights):
         return folder
     if hub_offline():
-        raise NotPreparedError(f"{repo_id} (revision {revision or 'main'}) is not in the HF cache and the hub is off "
-                               f"(HF_HUB_OFFLINE=1); {prepare_hint()}")
+        raise NotPreparedError(
+            f"{repo_id} (revision {revision or 'main'}) is not in the HF cache and the hub is off "
+            f"(HF_HUB_OFFLINE=1); {prepare_hint()}"
+        )
     return download_snapshot(repo_id, revision, weights)
 
 
@@ -243,8 +265,14 @@ def convert_gguf(gguf: Path, out_dir: Path, dtype: str, add_bos_token: bool | No
 
 
 # What a stand-in keeps small; vLLM's CPU attention takes head size 64.
-STAND_IN_SHAPE = dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
-                      intermediate_size=256)
+STAND_IN_SHAPE = dict(
+    num_hidden_layers=2,
+    hidden_size=128,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=256,
+)
 
 
 def model_path(model: DictConfig, models_dir: str | Path) -> str:
@@ -286,10 +314,14 @@ def stand_in(source: str, name: str, models_dir: str | Path) -> str:
 def weights_path(model: DictConfig, models_dir: str | Path) -> str:
     """The model's own weights: the hub snapshot, the local folder, or the folder converted from its GGUF."""
     if model.source == ModelSource.hub:  # a stand-in reads the config and tokenizer, not the weights
-        return model.path if is_local(model.path) else hub_snapshot(model.path, model.revision, weights=not model.stand_in)
+        return (
+            model.path if is_local(model.path) else hub_snapshot(model.path, model.revision, weights=not model.stand_in)
+        )
     if model.source == ModelSource.local:
         if not Path(model.path).is_dir():
-            raise ModelNotFoundError(f"model folder {model.path} does not exist; set {model.name}'s path to an HF folder")
+            raise ModelNotFoundError(
+                f"model folder {model.path} does not exist; set {model.name}'s path to an HF folder"
+            )
         return str(Path(model.path).resolve())
     if model.source != ModelSource.gguf_package:
         raise ModelNotFoundError(f"model {model.name} has source={model.source.value}, which has no weights to load")
@@ -305,8 +337,10 @@ def weights_path(model: DictConfig, models_dir: str | Path) -> str:
         gguf = packaged_gguf(model.path, model.gguf_file, work)
         if model.gguf_sha256 and (found := _sha256(gguf)) != model.gguf_sha256:
             shutil.rmtree(work)
-            raise ModelNotFoundError(f"{gguf} has sha256 {found}, not the pinned {model.gguf_sha256} of target "
-                                     f"{model.name}: reinstall its package (make install) or update target.gguf_sha256")
+            raise ModelNotFoundError(
+                f"{gguf} has sha256 {found}, not the pinned {model.gguf_sha256} of target "
+                f"{model.name}: reinstall its package (make install) or update target.gguf_sha256"
+            )
         print(f"converting {gguf.name} to an HF folder in {out_dir} (once)", flush=True)
         convert_gguf(gguf, work, model.dtype, model.add_bos_token)
         if gguf.parent == work:
@@ -331,8 +365,12 @@ def load_model(path: str, dtype: str = "float32", device: torch.device = torch.d
     placement = {"device_map": {"": str(device)}} if device.type != "cpu" else {}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **placement)
     head = model.get_output_embeddings()
-    if (device.type == "cpu" and isinstance(head, torch.nn.Linear) and head.bias is None
-            and head.weight.dtype == torch.float32):
+    if (
+        device.type == "cpu"
+        and isinstance(head, torch.nn.Linear)
+        and head.bias is None
+        and head.weight.dtype == torch.float32
+    ):
         model.set_output_embeddings(TransposedOutputLayer(head.weight))
     return model.eval()
 
@@ -340,9 +378,9 @@ def load_model(path: str, dtype: str = "float32", device: torch.device = torch.d
 class TransposedOutputLayer(torch.nn.Module):
     """A float32 output layer computed as (W·hᵀ)ᵀ instead of nn.Linear's h·Wᵀ, on the CPU only (cuBLAS needs
     no such help): the same dot products, but CPU BLAS runs a 262k × 640 weight (gemma-3-270m) over the
-    2–7 positions of a speculative verify ~2–3× faster this way. Measured through the engine on this 2-core CPU: verify of K+1 positions over
-    one target step, v(1) 2.03 → 1.03, v(4) 1.77 → 1.02, v(6) 2.50 → 1.41; the one-token step unchanged.
-    Shares the weight, so tied embeddings stay tied."""
+    2–7 positions of a speculative verify ~2–3× faster this way. Measured through the engine on this 2-core CPU:
+    verify of K+1 positions over one target step, v(1) 2.03 → 1.03, v(4) 1.77 → 1.02, v(6) 2.50 → 1.41; the
+    one-token step unchanged. Shares the weight, so tied embeddings stay tied."""
 
     def __init__(self, weight):
         super().__init__()

@@ -43,7 +43,7 @@ class VocabMap:
         self.to_drafter = torch.full((self.target_vocab_size,), self.unk_id, dtype=torch.long)
         self.to_drafter[self.target_ids] = torch.arange(len(self.target_ids))
 
-    def to(self, device: torch.device) -> "VocabMap":
+    def to(self, device: torch.device) -> VocabMap:
         """Move the map to the drafter's device (in place): encode, decode and expand_logits then copy nothing."""
         self.target_ids, self.to_drafter = self.target_ids.to(device), self.to_drafter.to(device)
         return self
@@ -76,14 +76,16 @@ class VocabMap:
         return float(counts[self.target_ids].sum() / counts.sum().clamp(min=1))
 
     @classmethod
-    def most_frequent(cls, counts: torch.Tensor, size: int, always: Iterable[int] = ()) -> "VocabMap":
+    def most_frequent(cls, counts: torch.Tensor, size: int, always: Iterable[int] = ()) -> VocabMap:
         """The ``size`` most frequent ids of ``counts`` (a (V,) histogram), plus ``always`` (special tokens)."""
         always = sorted(set(always))
         order = torch.argsort(counts, descending=True, stable=True)
         keep = always + [int(i) for i in order[: size + len(always)] if int(i) not in always]
         return cls(torch.tensor(keep[:size]), counts.numel())
 
-    def specialize(self, counts: torch.Tensor, always: Iterable[int] = (), min_count: int = 2) -> tuple["VocabMap", torch.Tensor]:
+    def specialize(
+        self, counts: torch.Tensor, always: Iterable[int] = (), min_count: int = 2
+    ) -> tuple[VocabMap, torch.Tensor]:
         """This map adapted to a new corpus (``counts``, a (V,) histogram): the mapped ids the corpus never
         uses, rarest first (the map is ordered by frequency), stand instead for its most counted unmapped ids
         (at least ``min_count`` occurrences). Returns the new map and the drafter rows that changed meaning."""
@@ -105,7 +107,7 @@ class VocabMap:
         (Path(folder) / VOCAB_MAP).write_text(json.dumps(payload))
 
     @classmethod
-    def load(cls, folder: str | Path) -> "VocabMap | None":
+    def load(cls, folder: str | Path) -> VocabMap | None:
         """The map saved beside a drafter, or None for a full-vocabulary drafter."""
         path = Path(folder) / VOCAB_MAP
         if not path.exists():

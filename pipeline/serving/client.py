@@ -55,15 +55,31 @@ def is_transient(cause: str) -> bool:
 class TargetClient:
     """Sends one request of the target's prompt ids with the eval's sampling and returns its completion."""
 
-    def __init__(self, endpoint: Endpoint, *, stop: list[str], stop_token_ids: list[int], max_tokens: int,
-                 top_p: float, top_k: int, top_logprobs: int, timeout_s: float, max_retries: int, model: str,
-                 connections: int):
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        *,
+        stop: list[str],
+        stop_token_ids: list[int],
+        max_tokens: int,
+        top_p: float,
+        top_k: int,
+        top_logprobs: int,
+        timeout_s: float,
+        max_retries: int,
+        model: str,
+        connections: int,
+    ):
         # a connection per request in flight: openai's default pool (1000) would hold back 8 replicas x 256, and a
         # request waiting for a connection counts against its timeout
         pool = http.Limits(max_connections=connections, max_keepalive_connections=connections)
-        self.client = openai.AsyncOpenAI(base_url=endpoint.url, api_key=endpoint.api_key, timeout=timeout_s,
-                                         max_retries=max_retries,
-                                         http_client=openai.DefaultAsyncHttpxClient(limits=pool))
+        self.client = openai.AsyncOpenAI(
+            base_url=endpoint.url,
+            api_key=endpoint.api_key,
+            timeout=timeout_s,
+            max_retries=max_retries,
+            http_client=openai.DefaultAsyncHttpxClient(limits=pool),
+        )
         self.stop, self.stop_token_ids = stop or None, stop_token_ids
         self.max_tokens, self.top_p, self.top_k, self.top_logprobs = max_tokens, top_p, top_k, top_logprobs
         self.model = model
@@ -73,7 +89,9 @@ class TargetClient:
         try:
             served = [m.id async for m in self.client.models.list()]
         except openai.APIError as exc:
-            raise ServingError(f"endpoint {self.client.base_url} does not answer ({failure_cause(exc)}): {exc}") from exc
+            raise ServingError(
+                f"endpoint {self.client.base_url} does not answer ({failure_cause(exc)}): {exc}"
+            ) from exc
         if self.model not in served:
             if len(served) != 1:
                 raise ServingError(f"endpoint {self.client.base_url} serves {served}, not {self.model}")
@@ -83,10 +101,22 @@ class TargetClient:
     async def complete(self, prompt_ids: list[int], temperature: float, seed: int) -> Completion:
         logprobs = dict(logprobs=self.top_logprobs) if self.top_logprobs else {}
         response = await self.client.completions.create(
-            model=self.model, prompt=prompt_ids, temperature=temperature, top_p=self.top_p, seed=seed,
-            max_tokens=self.max_tokens, stop=self.stop, **logprobs,
-            extra_body=dict(top_k=self.top_k, min_p=0.0, repetition_penalty=1.0, stop_token_ids=self.stop_token_ids,
-                            return_token_ids=True))
+            model=self.model,
+            prompt=prompt_ids,
+            temperature=temperature,
+            top_p=self.top_p,
+            seed=seed,
+            max_tokens=self.max_tokens,
+            stop=self.stop,
+            **logprobs,
+            extra_body=dict(
+                top_k=self.top_k,
+                min_p=0.0,
+                repetition_penalty=1.0,
+                stop_token_ids=self.stop_token_ids,
+                return_token_ids=True,
+            ),
+        )
         choice = response.choices[0]
         extra = choice.model_extra or {}
         return Completion(

@@ -71,17 +71,28 @@ def served_dtype(cfg: DictConfig) -> str:
     return cfg.distill.server.dtype or cfg.target.dtype
 
 
-def target_server(cfg: DictConfig, folder: str, log_dir: Path, extra_args: list[str] = (),
-                  replicas: int = 1) -> VLLMServer:
+def target_server(
+    cfg: DictConfig, folder: str, log_dir: Path, extra_args: list[str] = (), replicas: int = 1
+) -> VLLMServer:
     """The target behind vLLM with ``distill.server``'s launch settings (distillation and the vLLM eval), as
     ``replicas`` data-parallel replicas: distillation's ``data_parallel_size``; the vLLM eval times one request
     at a time, which one replica serves."""
     launch = cfg.distill.server
-    return VLLMServer(folder, cfg.target.name, log_dir, Path(cfg.paths.cache_dir).resolve() / "vllm",
-                      dtype=served_dtype(cfg), max_model_len=cfg.target.max_model_len,
-                      port=launch.port, cpu_kvcache_gb=launch.cpu_kvcache_gb, tensor_parallel=launch.tensor_parallel,
-                      data_parallel=replicas, enforce_eager=launch.enforce_eager,
-                      extra_args=[*launch.extra_args, *extra_args], startup_timeout_s=launch.startup_timeout_s)
+    return VLLMServer(
+        folder,
+        cfg.target.name,
+        log_dir,
+        Path(cfg.paths.cache_dir).resolve() / "vllm",
+        dtype=served_dtype(cfg),
+        max_model_len=cfg.target.max_model_len,
+        port=launch.port,
+        cpu_kvcache_gb=launch.cpu_kvcache_gb,
+        tensor_parallel=launch.tensor_parallel,
+        data_parallel=replicas,
+        enforce_eager=launch.enforce_eager,
+        extra_args=[*launch.extra_args, *extra_args],
+        startup_timeout_s=launch.startup_timeout_s,
+    )
 
 
 def _raise_on_sigterm(signum, frame):
@@ -91,14 +102,31 @@ def _raise_on_sigterm(signum, frame):
 class VLLMServer:
     """``with VLLMServer(...) as server:`` -> ``server.endpoint``; the server is gone after the block."""
 
-    def __init__(self, model: str, served_name: str, log_dir: Path, cache_dir: Path, *, dtype: str = "auto",
-                 max_model_len: int = 2048, port: int | None = None, cpu_kvcache_gb: int = 2,
-                 tensor_parallel: int = 1, data_parallel: int = 1, enforce_eager: bool = True,
-                 extra_args: list[str] = (), startup_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        model: str,
+        served_name: str,
+        log_dir: Path,
+        cache_dir: Path,
+        *,
+        dtype: str = "auto",
+        max_model_len: int = 2048,
+        port: int | None = None,
+        cpu_kvcache_gb: int = 2,
+        tensor_parallel: int = 1,
+        data_parallel: int = 1,
+        enforce_eager: bool = True,
+        extra_args: list[str] = (),
+        startup_timeout_s: float = 600.0,
+    ):
         self.model, self.served_name = model, served_name
         self.log_dir, self.cache_dir = Path(log_dir), Path(cache_dir)
         self.dtype, self.max_model_len, self.preferred_port = dtype, max_model_len, port
-        self.cpu_kvcache_gb, self.extra_args, self.startup_timeout_s = cpu_kvcache_gb, list(extra_args), startup_timeout_s
+        self.cpu_kvcache_gb, self.extra_args, self.startup_timeout_s = (
+            cpu_kvcache_gb,
+            list(extra_args),
+            startup_timeout_s,
+        )
         self.tensor_parallel, self.data_parallel, self.enforce_eager = tensor_parallel, data_parallel, enforce_eager
         self.api_key = secrets.token_hex(24)  # hex: a key starting with "-" would read as an option to vLLM
         self.process: subprocess.Popen | None = None
@@ -116,7 +144,7 @@ class VLLMServer:
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
 
-    def __enter__(self) -> "VLLMServer":
+    def __enter__(self) -> VLLMServer:
         # SIGTERM must unwind through __exit__ (which stops the server); a Python handler already installed (the
         # distill stage's exit 75, the eval's preemption flag) stays in charge, else SIGTERM raises SystemExit.
         previous = signal.getsignal(signal.SIGTERM)
@@ -148,13 +176,28 @@ class VLLMServer:
     def _launch(self, port: int) -> None:
         self.port = port
         command = [
-            sys.executable, "-m", "pipeline.reaper", str(os.getpid()),
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model, "--served-model-name", self.served_name,
-            "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
+            sys.executable,
+            "-m",
+            "pipeline.reaper",
+            str(os.getpid()),
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--served-model-name",
+            self.served_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            self.dtype,
+            "--max-model-len",
+            str(self.max_model_len),
             # requests alone decide the sampling: no defaults from the model's generation_config.json
-            "--generation-config", "vllm",
+            "--generation-config",
+            "vllm",
             *self.extra_args,
         ]
         if self.tensor_parallel > 1:
@@ -177,7 +220,11 @@ class VLLMServer:
             log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} starting vLLM on port {port}\n")
             log.flush()
             self.process = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
                 start_new_session=True,
             )
         info = {"pid": self.process.pid, "pgid": self.process.pid, "port": port, "model": self.model}
@@ -190,8 +237,9 @@ class VLLMServer:
         bind its port; raises on other deaths. Another process answering on the port (a squatter on a fixed
         distill.server.port) is never sent the key nor taken for our server."""
         deadline = time.monotonic() + self.startup_timeout_s
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/models",
-                                         headers={"Authorization": f"Bearer {self.api_key}"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/models", headers={"Authorization": f"Bearer {self.api_key}"}
+        )
         while time.monotonic() < deadline:
             code = self.exit_code()
             if code is not None:
@@ -199,8 +247,9 @@ class VLLMServer:
                 if any("Address already in use" in line for line in tail):
                     return False
                 errors = [line for line in tail if "Error" in line] or tail or ["(empty log)"]
-                raise ServingError(f"vLLM exited with code {code} during start-up: {errors[-1].strip()} "
-                                   f"(full log: {self.log_path})")
+                raise ServingError(
+                    f"vLLM exited with code {code} during start-up: {errors[-1].strip()} (full log: {self.log_path})"
+                )
             try:
                 if self.process.pid in listening_groups(self.port):
                     with urllib.request.urlopen(request, timeout=5) as response:
@@ -211,8 +260,10 @@ class VLLMServer:
                 pass
             time.sleep(1.0)
         self.stop()
-        raise ServingError(f"vLLM was not healthy after {self.startup_timeout_s:.0f}s (distill.server.startup_timeout_s); "
-                           f"see {self.log_path}")
+        raise ServingError(
+            f"vLLM was not healthy after {self.startup_timeout_s:.0f}s (distill.server.startup_timeout_s); "
+            f"see {self.log_path}"
+        )
 
     def log_tail(self, lines: int = 20) -> list[str]:
         if not self.log_path.exists():

@@ -31,7 +31,9 @@ STEP_SLACK = 1.05
 
 def canonical_dtype(name: str) -> str:
     """``float``/``fp32``-style names as torch names them (float32, bfloat16, float16)."""
-    return str(getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(name, name))).removeprefix("torch.")
+    return str(getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(name, name))).removeprefix(
+        "torch."
+    )
 
 
 def dtype_candidates(recipe_dtype: str, wanted: list[str], native: list[str]) -> list[str]:
@@ -43,8 +45,9 @@ def dtype_candidates(recipe_dtype: str, wanted: list[str], native: list[str]) ->
     return [recipe_dtype, *(d for d in map(canonical_dtype, wanted) if d in native and d != recipe_dtype)]
 
 
-def forward_seconds(models: dict[str, torch.nn.Module], prompt_ids: torch.Tensor, ns: list[int],
-                    repetitions: int = 9) -> dict[str, dict[int, float]]:
+def forward_seconds(
+    models: dict[str, torch.nn.Module], prompt_ids: torch.Tensor, ns: list[int], repetitions: int = 9
+) -> dict[str, dict[int, float]]:
     """Median seconds of each model's forward over n new tokens after ``prompt_ids``, for each n of ``ns``; the
     models and sizes interleaved so load changes hit them alike, after one untimed round."""
     lms = {name: CachedModel(model) for name, model in models.items()}
@@ -63,8 +66,10 @@ def forward_seconds(models: dict[str, torch.nn.Module], prompt_ids: torch.Tensor
 
 def time_steps(models: dict[str, torch.nn.Module], prompt_ids: torch.Tensor, k: int) -> dict:
     """Each model's one-token step and verify of k+1 tokens, median seconds (forward_seconds)."""
-    return {name: {"step_s": by_n[1], "verify_s": by_n[k + 1]}
-            for name, by_n in forward_seconds(models, prompt_ids, [1, k + 1]).items()}
+    return {
+        name: {"step_s": by_n[1], "verify_s": by_n[k + 1]}
+        for name, by_n in forward_seconds(models, prompt_ids, [1, k + 1]).items()
+    }
 
 
 def pick_dtype(timings: dict, recipe_dtype: str) -> str:
@@ -81,6 +86,7 @@ def choose_k(taus: dict[int, float], c: float, v: dict[int, float], draft: dict[
     that K, else the i.i.d. formula's with the acceptance rate that reproduces the τ of the nearest K it ran
     (metrics.alpha_from_tau: accepted ÷ drafted understates it when acceptances cluster). Recommended K 0 when
     no K is predicted above 1."""
+
     def tau(k: int) -> float:
         if k in taus:
             return taus[k]
@@ -90,17 +96,23 @@ def choose_k(taus: dict[int, float], c: float, v: dict[int, float], draft: dict[
     expected = {k: tau(k) for k in sorted(v)}
     predicted = {k: expected[k] / ((k * c if draft is None else draft[k]) + v[k]) for k in expected}
     best = max(predicted, key=predicted.get)
-    return {"k": best, "recommended_k": best if predicted[best] > 1 else 0, "tau": expected,
-            "predicted_speedup": predicted}
+    return {
+        "k": best,
+        "recommended_k": best if predicted[best] > 1 else 0,
+        "tau": expected,
+        "predicted_speedup": predicted,
+    }
 
 
 def no_k_pays(method: str, k: int, c: float, v: float, tau: float, machine: str, draft: float | None = None) -> str:
     """The one line that says why no K pays: what a round costs and the τ it would need."""
     cost = (k * c if draft is None else draft) + v
     drafting = f"{k} × c {c:.3f}" if draft is None else f"one parallel draft forward {draft:.3f}"
-    return (f"{method}: no K pays on this {machine}: a round of {k} drafts costs {cost:.2f} target steps "
-            f"({drafting} + v({k}) {v:.2f}); the drafter would need τ ≥ {cost:.2f} to break even; "
-            f"τ at K={k} in the warm-up: {tau:.2f}")
+    return (
+        f"{method}: no K pays on this {machine}: a round of {k} drafts costs {cost:.2f} target steps "
+        f"({drafting} + v({k}) {v:.2f}); the drafter would need τ ≥ {cost:.2f} to break even; "
+        f"τ at K={k} in the warm-up: {tau:.2f}"
+    )
 
 
 def cost_line(costs: dict) -> str:
@@ -108,4 +120,5 @@ def cost_line(costs: dict) -> str:
     drafter, one forward for a parallel one) and verifying v(K). Keys may be JSON strings (metrics.json)."""
     draft = costs.get("draft") or {}
     return f"c = {costs['c']:.3f}, " + ", ".join(
-        (f"draft({k}) = {draft[k]:.3f}, " if k in draft else "") + f"v({k}) = {v:.2f}" for k, v in costs["v"].items())
+        (f"draft({k}) = {draft[k]:.3f}, " if k in draft else "") + f"v({k}) = {v:.2f}" for k, v in costs["v"].items()
+    )

@@ -63,10 +63,12 @@ class CachedModel:
         """Columns of ``forward``'s logits -> target ids."""
         return self.vocab_map.decode(columns) if self.vocab_map is not None else columns
 
-    def feed(self, sequence: torch.Tensor, extra: torch.Tensor | None = None, keep: int = 1, masks: int = 0) -> torch.Tensor:
+    def feed(
+        self, sequence: torch.Tensor, extra: torch.Tensor | None = None, keep: int = 1, masks: int = 0
+    ) -> torch.Tensor:
         """Feed the part of ``sequence`` not cached yet (plus ``extra`` tokens, then ``masks`` mask tokens);
         logits of the last ``keep``."""
-        pending = sequence[:, self.length:]
+        pending = sequence[:, self.length :]
         if extra is not None:
             pending = torch.cat([pending, extra], dim=1)
         return self.forward(pending, keep, masks)
@@ -82,7 +84,9 @@ class Draft(NamedTuple):
     """A round's proposal: what every drafter's ``propose`` returns."""
 
     tokens: torch.Tensor  # (1, n) target ids, n <= K
-    probs: torch.Tensor | None = None  # (1, n, V) the drafter's distributions, None when greedy; (1, n, N) with vocab_map
+    probs: torch.Tensor | None = (
+        None  # (1, n, V) the drafter's distributions, None when greedy; (1, n, N) with vocab_map
+    )
     vocab_map: VocabMap | None = None  # probs' columns are this map's N target ids
 
 
@@ -159,9 +163,11 @@ class ParallelDrafter(ModelDrafter):
 def check_parallel_k(config, ks) -> None:
     """Refuse, in one line, more draft positions than a parallel drafter was trained for."""
     if (trained := getattr(config, PARD_K, None)) is not None and max(ks, default=0) > trained:
-        raise ConfigError(f"K={max(ks)} draft tokens, but this parallel drafter learned {trained} positions: set "
-                          f"eval.num_draft_tokens and eval.k_sweep to at most {trained}, or finetune it with "
-                          f"train.finetune.parallel_draft.k={max(ks)}")
+        raise ConfigError(
+            f"K={max(ks)} draft tokens, but this parallel drafter learned {trained} positions: set "
+            f"eval.num_draft_tokens and eval.k_sweep to at most {trained}, or finetune it with "
+            f"train.finetune.parallel_draft.k={max(ks)}"
+        )
 
 
 def model_drafter(model, vocab_map: VocabMap | None = None, min_confidence: float = 0.0) -> ModelDrafter:
@@ -266,7 +272,7 @@ class GeneratedStop(StoppingCriteria):
         self.stop, self.prompt_length = stop, prompt_length
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        done = [self.stop.first_stop(row[self.prompt_length:].tolist(), 0) is not None for row in input_ids]
+        done = [self.stop.first_stop(row[self.prompt_length :].tolist(), 0) is not None for row in input_ids]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
@@ -303,15 +309,22 @@ def generate(
     while len(result.tokens) < max_new_tokens:
         # Never draft past max_new_tokens: the round's bonus token is the last one allowed.
         k_round = min(k, max_new_tokens - len(result.tokens) - 1) if drafter is not None else 0
-        draft = drafter.propose(sequence, k_round, sampling, generator) if k_round > 0 else Draft(sequence.new_zeros((1, 0)))
+        draft = (
+            drafter.propose(sequence, k_round, sampling, generator)
+            if k_round > 0
+            else Draft(sequence.new_zeros((1, 0)))
+        )
         drafts = draft.tokens
         target_logits = target.feed(sequence, drafts, keep=drafts.shape[1] + 1)
         if sampling.greedy:
             num_accepted, next_token = verify_greedy(drafts, target_logits)
         else:
-            draft_probs = draft.probs if draft.probs is not None else target_logits.new_zeros((1, 0, target_logits.shape[-1]))
-            num_accepted, next_token = verify(drafts, draft_probs, probabilities(target_logits, sampling), generator,
-                                              draft.vocab_map)
+            draft_probs = (
+                draft.probs if draft.probs is not None else target_logits.new_zeros((1, 0, target_logits.shape[-1]))
+            )
+            num_accepted, next_token = verify(
+                drafts, draft_probs, probabilities(target_logits, sampling), generator, draft.vocab_map
+            )
         n = int(num_accepted[0])
         new = torch.cat([drafts[:, :n], next_token[:, None]], dim=1)
         target.rollback(sequence.shape[1] + n)
@@ -343,7 +356,9 @@ def timed_forward(lm: CachedModel, tokens: torch.Tensor, masks: int = 0) -> floa
     return seconds
 
 
-def step_costs(target: CachedModel, drafter: CachedModel, prompt_ids: torch.Tensor, ks: list[int], repetitions: int = 10):
+def step_costs(
+    target: CachedModel, drafter: CachedModel, prompt_ids: torch.Tensor, ks: list[int], repetitions: int = 10
+):
     """The formula's costs on this machine, in target steps: c = drafter step / target step, v(K) = target
     verify(K+1) / target step, and draft(K) = a round's drafting: K·c for an autoregressive drafter, one forward
     of its K positions (the context's last token and K − 1 masks) for a parallel one. Medians over repetitions
@@ -364,9 +379,13 @@ def step_costs(target: CachedModel, drafter: CachedModel, prompt_ids: torch.Tens
                 times["draft", k].append(timed_forward(drafter, tokens[:, :1], masks=k - 1))
     median = {key: statistics.median(values) for key, values in times.items()}
     c = median["drafter"] / median["target"]
-    return {"target_step_s": median["target"], "drafter_step_s": median["drafter"], "c": c,
-            "v": {k: median[k] / median["target"] for k in ks},
-            "draft": {k: median["draft", k] / median["target"] if parallel else k * c for k in ks}}
+    return {
+        "target_step_s": median["target"],
+        "drafter_step_s": median["drafter"],
+        "c": c,
+        "v": {k: median[k] / median["target"] for k in ks},
+        "draft": {k: median["draft", k] / median["target"] if parallel else k * c for k in ks},
+    }
 
 
 @torch.inference_mode()
@@ -374,7 +393,9 @@ def top2_gap(model, prompt_ids: torch.Tensor, prefix: list[int]) -> float:
     """The target's top-2 logit gap for the token after ``prompt_ids`` + ``prefix`` (one full forward, no
     cache): how close to a tie its greedy choice there is."""
     extra = torch.tensor([prefix], dtype=torch.long, device=prompt_ids.device)
-    logits = model(input_ids=torch.cat([prompt_ids, extra], dim=1), use_cache=False, logits_to_keep=1).logits[0, -1].float()
+    logits = (
+        model(input_ids=torch.cat([prompt_ids, extra], dim=1), use_cache=False, logits_to_keep=1).logits[0, -1].float()
+    )
     best = logits.topk(2).values
     return float(best[0] - best[1])
 
@@ -400,20 +421,27 @@ def assisted_by_k(assistant, k: int):
         return
     own = assistant.generation_config
     assistant.generation_config = copy.deepcopy(own)
-    assistant.generation_config.update(num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
-                                       assistant_confidence_threshold=0.0)
+    assistant.generation_config.update(
+        num_assistant_tokens=k, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0
+    )
     try:
         yield
     finally:
         assistant.generation_config = own
 
 
-def hf_generate(model, prompt_ids, max_new_tokens, stop: StopCondition, sampling: Sampling, seed: int,
-                assistant=None, k: int = 0) -> list[int]:
+def hf_generate(
+    model, prompt_ids, max_new_tokens, stop: StopCondition, sampling: Sampling, seed: int, assistant=None, k: int = 0
+) -> list[int]:
     """transformers' own ``generate`` (plain, or assisted by ``assistant`` with exactly K drafts per round)."""
     # Stop strings as a criterion, not `stop_strings=`: that one reaches the assistant, which has no tokenizer.
-    kwargs = {"max_new_tokens": max_new_tokens, "do_sample": not sampling.greedy, "eos_token_id": sorted(stop.eos_token_ids),
-              "pad_token_id": sorted(stop.eos_token_ids)[0], "stopping_criteria": stop.hf_criteria(prompt_ids.shape[1])}
+    kwargs = {
+        "max_new_tokens": max_new_tokens,
+        "do_sample": not sampling.greedy,
+        "eos_token_id": sorted(stop.eos_token_ids),
+        "pad_token_id": sorted(stop.eos_token_ids)[0],
+        "stopping_criteria": stop.hf_criteria(prompt_ids.shape[1]),
+    }
     if not sampling.greedy:
         kwargs |= {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
     if assistant is not None:
@@ -421,7 +449,7 @@ def hf_generate(model, prompt_ids, max_new_tokens, stop: StopCondition, sampling
     torch.manual_seed(seed)
     with assisted_by_k(assistant, k), torch.inference_mode():
         out = model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), **kwargs)
-    tokens = out[0, prompt_ids.shape[1]:].tolist()
+    tokens = out[0, prompt_ids.shape[1] :].tolist()
     # Assisted rounds can run past a stop string; count only what a user gets, as for our loop.
     end = stop.first_stop(tokens, 0)
     return tokens[:end] if end is not None else tokens

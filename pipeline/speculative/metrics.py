@@ -70,7 +70,10 @@ def mean_std(values: list[float]) -> dict:
 
 def mean_and_standard_error(values: torch.Tensor) -> dict:
     """Mean and standard error of per-token values (e.g. paired differences between two drafters), rounded."""
-    return {"mean": round(float(values.mean()), 4), "standard_error": round(float(values.std() / len(values) ** 0.5), 4)}
+    return {
+        "mean": round(float(values.mean()), 4),
+        "standard_error": round(float(values.std() / len(values) ** 0.5), 4),
+    }
 
 
 def alpha_from_tau(tau: float, k: int) -> float:

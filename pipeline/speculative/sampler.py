@@ -62,7 +62,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
 
 def verify(
     draft_tokens: torch.Tensor,  # (B, K) the drafted ids
-    draft_probs: torch.Tensor,  # (B, K, V) the drafter's distribution at each drafted position; (B, K, N) with vocab_map
+    # (B, K, V) the drafter's distribution at each drafted position; (B, K, N) with vocab_map
+    draft_probs: torch.Tensor,
     target_probs: torch.Tensor,  # (B, K+1, V) the target's distribution at the K positions and the bonus one
     generator: torch.Generator | None = None,
     vocab_map: VocabMap | None = None,  # draft_probs' columns are this map's N target ids
@@ -89,7 +90,9 @@ def verify(
     if vocab_map is None:
         residual = (target_there - draft_there).clamp(min=0)
     else:  # the same numbers as subtracting the draft expanded to V with zeros
-        residual = target_there.index_add(-1, vocab_map.target_ids.to(draft_there.device), draft_there, alpha=-1).clamp(min=0)
+        residual = target_there.index_add(-1, vocab_map.target_ids.to(draft_there.device), draft_there, alpha=-1).clamp(
+            min=0
+        )
     mass = residual.sum(-1, keepdim=True)
     # A rejection has probability 0 when target == draft; rounding can still produce one: use the target.
     residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), target_there)

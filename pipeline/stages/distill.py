@@ -49,8 +49,15 @@ from pipeline.models.provision import load_tokenizer, model_fingerprint, model_p
 from pipeline.prompts import build_prompt, prompt_ids, stop_strings, stop_token_ids
 from pipeline.rundir import StageConflictError, StageDir, make_command, shard_args
 from pipeline.serving.client import TargetClient, failure_cause, is_transient
-from pipeline.serving.server import (Endpoint, ServingError, VLLMServer, check_model_folder, data_parallel_size,
-                                     served_dtype, target_server)
+from pipeline.serving.server import (
+    Endpoint,
+    ServingError,
+    VLLMServer,
+    check_model_folder,
+    data_parallel_size,
+    served_dtype,
+    target_server,
+)
 from pipeline.tracking import Tracker
 from pipeline.workers import exit_on_preemption
 
@@ -83,7 +90,8 @@ def load_records(records_dir: Path, revision: str | None = None) -> dict[Key, di
             if revision is not None and record.get("revision") != revision:
                 raise StageConflictError(
                     f"{shard} holds records of target revision {record.get('revision')}, not of the current "
-                    f"{revision}: a resume would mix two models; pass force=true to move them aside and distill again")
+                    f"{revision}: a resume would mix two models; pass force=true to move them aside and distill again"
+                )
             records[key] = record
     return records
 
@@ -119,9 +127,19 @@ class RunStats:
     aborted: str | None = None
 
 
-async def distill(jobs: list[Job], client: TargetClient, out: BackgroundJsonl, failures: BackgroundJsonl,
-                  cfg: DictConfig, revision: str | None, server: VLLMServer | None, concurrency: int, progress: tqdm,
-                  tracker: Tracker, metric: str = "distill") -> RunStats:
+async def distill(
+    jobs: list[Job],
+    client: TargetClient,
+    out: BackgroundJsonl,
+    failures: BackgroundJsonl,
+    cfg: DictConfig,
+    revision: str | None,
+    server: VLLMServer | None,
+    concurrency: int,
+    progress: tqdm,
+    tracker: Tracker,
+    metric: str = "distill",
+) -> RunStats:
     """Runs the jobs with ``concurrency`` requests in flight; stops early when the server is gone.
 
     Progress goes to the tracker as ``<metric>/records`` and ``<metric>/tokens_per_s``."""
@@ -141,8 +159,16 @@ async def distill(jobs: list[Job], client: TargetClient, out: BackgroundJsonl, f
             except Exception as exc:  # the client already retried what can be retried
                 cause = failure_cause(exc)
                 stats.failures[cause] += 1
-                failures.append({"id": example_id, "temperature": temperature, "sample": sample, "cause": cause,
-                                 "error": str(exc)[:500], "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+                failures.append(
+                    {
+                        "id": example_id,
+                        "temperature": temperature,
+                        "sample": sample,
+                        "cause": cause,
+                        "error": str(exc)[:500],
+                        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    }
+                )
                 if is_transient(cause):
                     stats.consecutive_transient += 1
                     if server is not None and server.exit_code() is not None:
@@ -152,14 +178,23 @@ async def distill(jobs: list[Job], client: TargetClient, out: BackgroundJsonl, f
                 continue
             stats.consecutive_transient = 0
             record = {
-                "id": example_id, "temperature": temperature, "sample": sample,
-                "prompt": job.prompt, "response": completion.text,
+                "id": example_id,
+                "temperature": temperature,
+                "sample": sample,
+                "prompt": job.prompt,
+                "response": completion.text,
                 # the ids the target read and wrote: what finetuning trains on (pipeline/training/data.py)
-                "prompt_token_ids": completion.prompt_token_ids or job.prompt_ids, "token_ids": completion.token_ids,
-                "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
-                "prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.completion_tokens,
-                "seed": seed, "model": model, "revision": revision,
-                "src": job.example.src, "ref": job.example.ref,
+                "prompt_token_ids": completion.prompt_token_ids or job.prompt_ids,
+                "token_ids": completion.token_ids,
+                "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason,
+                "prompt_tokens": completion.prompt_tokens,
+                "completion_tokens": completion.completion_tokens,
+                "seed": seed,
+                "model": model,
+                "revision": revision,
+                "src": job.example.src,
+                "ref": job.example.ref,
             }
             if completion.top_logprobs is not None:
                 record["top_logprobs"] = completion.top_logprobs
@@ -189,13 +224,16 @@ def serve(cfg: DictConfig, folder: str, stage_path: Path, replicas: int):
 def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
     # SIGTERM/SIGUSR1 (Slurm's preemption and warning): the requests in flight are cancelled, the records already
     # answered are written and fsynced, the server is stopped, and the same command asks only the rest.
-    with exit_on_preemption(f"distill: the finished records are in {directory.path / RECORDS_DIR}: run the same "
-                            "command again to ask the rest"):  # the stage's lock is held by its caller (StageDir.claim)
+    with exit_on_preemption(
+        f"distill: the finished records are in {directory.path / RECORDS_DIR}: run the same "
+        "command again to ask the rest"
+    ):  # the stage's lock is held by its caller (StageDir.claim)
         return _run_locked(cfg, directory.path, tracker)
 
 
-def _jobs(examples: list[Example], done: dict[Key, dict], cfg: DictConfig, lang: DictConfig, tokenizer,
-          temperatures, shots=()) -> tuple[list[Key], list[Job]]:
+def _jobs(
+    examples: list[Example], done: dict[Key, dict], cfg: DictConfig, lang: DictConfig, tokenizer, temperatures, shots=()
+) -> tuple[list[Key], list[Job]]:
     """Every key of the examples, and a job for each key not yet done."""
     samples = range(cfg.distill.samples_per_prompt)
     keys = [(ex.id, float(t), s) for ex in examples for t in temperatures for s in samples]
@@ -224,36 +262,44 @@ class Plan:
     rejected: Counter  # back-translations left out, by reason
 
 
-def training_plan(cfg: DictConfig, train: list[Example], heldout: list[Example], path: Path, revision: str,
-                  tokenizer) -> Plan:
+def training_plan(
+    cfg: DictConfig, train: list[Example], heldout: list[Example], path: Path, revision: str, tokenizer
+) -> Plan:
     """The plan as the records on disk stand now (the back-translations answered so far add prompts)."""
     added, rejected = [], Counter()
     if cfg.data.back_translation:
-        added, rejected = back_translation.new_sources(list(load_records(path / BACK_TRANSLATIONS_DIR).values()), cfg,
-                                                       {ex.id for ex in train + heldout})
+        added, rejected = back_translation.new_sources(
+            list(load_records(path / BACK_TRANSLATIONS_DIR).values()), cfg, {ex.id for ex in train + heldout}
+        )
     examples = train + added
-    keys, jobs = _jobs(examples, load_records(path / RECORDS_DIR, revision), cfg, cfg.lang, tokenizer,
-                       cfg.distill.temperatures)
+    keys, jobs = _jobs(
+        examples, load_records(path / RECORDS_DIR, revision), cfg, cfg.lang, tokenizer, cfg.distill.temperatures
+    )
     return Plan(examples, keys, jobs, rejected)
 
 
-def check_complete(cfg: DictConfig, path: Path, failed: Counter, missing: int, expected: int, aborted: str | None) -> None:
+def check_complete(
+    cfg: DictConfig, path: Path, failed: Counter, missing: int, expected: int, aborted: str | None
+) -> None:
     """End the stage incomplete, in one line naming the command that resumes it, when the run was cut short
     (``aborted``: why), a request failed in a way a retry may mend, or more records are missing than
     distill.max_failed_share allows."""
     transient = {cause: n for cause, n in failed.items() if is_transient(cause)}
     if aborted or transient:
         reason = aborted or f"{sum(transient.values())} requests failed ({', '.join(transient)})"
-        raise DistillIncompleteError(f"{reason}; {missing} records missing "
-                                     f"(see {path / FAILURES_FILE}); rerun `{make_command(cfg, 'distill', shard_args(cfg))}` "
-                                     "to resume")
+        raise DistillIncompleteError(
+            f"{reason}; {missing} records missing "
+            f"(see {path / FAILURES_FILE}); rerun `{make_command(cfg, 'distill', shard_args(cfg))}` "
+            "to resume"
+        )
     if missing > cfg.distill.max_failed_share * expected:
         causes = ", ".join(f"{cause} ×{n}" for cause, n in failed.items())
         raise DistillIncompleteError(
             f"{missing} of {expected} records missing after requests the server rejected ({causes}), more than "
             f"distill.max_failed_share={cfg.distill.max_failed_share:g}: see why in {path / FAILURES_FILE}, fix it and "
-            f"rerun `{make_command(cfg, 'distill', shard_args(cfg))}` (it asks only the missing ones), or allow the gap with "
-            f"distill.max_failed_share")
+            f"rerun `{make_command(cfg, 'distill', shard_args(cfg))}` (it asks only the missing ones), "
+            "or allow the gap with distill.max_failed_share"
+        )
 
 
 def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
@@ -275,15 +321,28 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
     reverse_keys, reverse_jobs = [], []
     if cfg.data.back_translation:
         reverse_dir.mkdir(exist_ok=True)
-        reverse_keys, reverse_jobs = _jobs(back_translation.segments(cfg), load_records(reverse_dir, revision), cfg,
-                                           reverse_lang, tokenizer, [0.0], back_translation.shots(cfg.lang))
+        reverse_keys, reverse_jobs = _jobs(
+            back_translation.segments(cfg),
+            load_records(reverse_dir, revision),
+            cfg,
+            reverse_lang,
+            tokenizer,
+            [0.0],
+            back_translation.shots(cfg.lang),
+        )
     plan = training_plan(cfg, train, heldout, path, revision, tokenizer)
-    print(f"distill {cfg.lang.pair}" + (f" shard {shard} of {num_shards}" if num_shards > 1 else "") +
-          f": {len(train)} prompts" +
-          (f" + back-translations of {len(reverse_keys)} {cfg.lang.tgt_name} segments ({len(reverse_jobs)} to do)"
-           if reverse_keys else "") +
-          f" x {len(cfg.distill.temperatures)} temperatures x {cfg.distill.samples_per_prompt} samples, "
-          f"{len(plan.keys) - len(plan.jobs)} records already done")
+    print(
+        f"distill {cfg.lang.pair}"
+        + (f" shard {shard} of {num_shards}" if num_shards > 1 else "")
+        + f": {len(train)} prompts"
+        + (
+            f" + back-translations of {len(reverse_keys)} {cfg.lang.tgt_name} segments ({len(reverse_jobs)} to do)"
+            if reverse_keys
+            else ""
+        )
+        + f" x {len(cfg.distill.temperatures)} temperatures x {cfg.distill.samples_per_prompt} samples, "
+        f"{len(plan.keys) - len(plan.jobs)} records already done"
+    )
 
     stats, reverse_stats = RunStats(), RunStats()
     elapsed = 0.0
@@ -297,29 +356,58 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
         failures = BackgroundJsonl(path / FAILURES_FILE)
         try:
             with serve(cfg, folder, path, replicas) as server:
-                endpoint = server.endpoint if server else Endpoint(
-                    url=cfg.distill.server.url,
-                    # from the environment only: a config is written to disk, wandb and the launch files
-                    api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"))
+                endpoint = (
+                    server.endpoint
+                    if server
+                    else Endpoint(
+                        url=cfg.distill.server.url,
+                        # from the environment only: a config is written to disk, wandb and the launch files
+                        api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
+                    )
+                )
                 print(f"distill: {concurrency} requests in flight over {replicas} server replica(s)", flush=True)
 
                 def run_jobs(jobs: list[Job], out: BackgroundJsonl, total: int, desc: str, metric: str) -> RunStats:
                     # a client per run: its connections belong to the event loop asyncio.run makes
-                    client = TargetClient(endpoint, stop=stop_strings(cfg.target),
-                                          stop_token_ids=stop_token_ids(cfg.target, tokenizer),
-                                          max_tokens=cfg.distill.max_tokens, top_p=cfg.eval.top_p,
-                                          top_k=cfg.eval.top_k, top_logprobs=cfg.distill.top_logprobs,
-                                          timeout_s=cfg.distill.request_timeout_s,
-                                          max_retries=cfg.distill.max_retries, model=cfg.target.name,
-                                          connections=concurrency)
+                    client = TargetClient(
+                        endpoint,
+                        stop=stop_strings(cfg.target),
+                        stop_token_ids=stop_token_ids(cfg.target, tokenizer),
+                        max_tokens=cfg.distill.max_tokens,
+                        top_p=cfg.eval.top_p,
+                        top_k=cfg.eval.top_k,
+                        top_logprobs=cfg.distill.top_logprobs,
+                        timeout_s=cfg.distill.request_timeout_s,
+                        max_retries=cfg.distill.max_retries,
+                        model=cfg.target.name,
+                        connections=concurrency,
+                    )
                     with tqdm(total=total, initial=total - len(jobs), desc=desc, unit="rec") as progress:
-                        return asyncio.run(distill(jobs, client, out, failures, cfg, revision, server, concurrency,
-                                                   progress, tracker, metric))
+                        return asyncio.run(
+                            distill(
+                                jobs,
+                                client,
+                                out,
+                                failures,
+                                cfg,
+                                revision,
+                                server,
+                                concurrency,
+                                progress,
+                                tracker,
+                                metric,
+                            )
+                        )
 
                 started = time.monotonic()
                 if reverse_jobs:
-                    reverse_stats = run_jobs(reverse_jobs, reverse_out, len(reverse_keys),
-                                             f"back-translate {reverse_lang.pair}", "back_translation")
+                    reverse_stats = run_jobs(
+                        reverse_jobs,
+                        reverse_out,
+                        len(reverse_keys),
+                        f"back-translate {reverse_lang.pair}",
+                        "back_translation",
+                    )
                     plan = training_plan(cfg, train, heldout, path, revision, tokenizer)  # with what they added
                 if not reverse_stats.aborted:
                     stats = run_jobs(plan.jobs, out, len(plan.keys), f"distill {cfg.lang.pair}", "distill")
@@ -344,30 +432,47 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
         "generation_time_s": round(elapsed, 1),
         "failures": dict(failed),
         # what answered: the dtype our vLLM serves (an external endpoint's own is unknown here)
-        "server": {"url": launch.url, "dtype": None if launch.url else served_dtype(cfg), "data_parallel": replicas,
-                   "tensor_parallel": launch.tensor_parallel, "requests_in_flight": concurrency},
+        "server": {
+            "url": launch.url,
+            "dtype": None if launch.url else served_dtype(cfg),
+            "data_parallel": replicas,
+            "tensor_parallel": launch.tensor_parallel,
+            "requests_in_flight": concurrency,
+        },
     }
     if num_shards > 1:
         summary["shard"] = {"shard": shard, "num_shards": num_shards, "prompts": len(train)}
     if reverse_keys:
         summary["back_translation"] = {
-            "segments": len(reverse_keys), "answered": len(reverse_done),
-            "prompts_added": len(plan.examples) - len(train), "rejected": dict(rejected),
+            "segments": len(reverse_keys),
+            "answered": len(reverse_done),
+            "prompts_added": len(plan.examples) - len(train),
+            "rejected": dict(rejected),
             "completion_tokens": sum(r["completion_tokens"] for r in reverse_done.values()),
         }
     write_atomic(path / STATS_FILE, json.dumps(summary, indent=2) + "\n")
     nested = ("failures", "back_translation", "server", "shard")
-    tracker.summary({f"distill/{k}": v for k, v in summary.items() if k not in nested} |
-                    {f"back_translation/{k}": v for k, v in summary.get("back_translation", {}).items() if k != "rejected"})
-    print(f"distill {cfg.lang.pair}: {len(done)}/{len(keys)} records ({stats.records} new, "
-          f"{new_tokens} tokens at {summary['tokens_per_s'] or 0:.0f} tok/s), "
-          f"{sum(failed.values())} failed requests -> {records_dir}")
+    tracker.summary(
+        {f"distill/{k}": v for k, v in summary.items() if k not in nested}
+        | {f"back_translation/{k}": v for k, v in summary.get("back_translation", {}).items() if k != "rejected"}
+    )
+    print(
+        f"distill {cfg.lang.pair}: {len(done)}/{len(keys)} records ({stats.records} new, "
+        f"{new_tokens} tokens at {summary['tokens_per_s'] or 0:.0f} tok/s), "
+        f"{sum(failed.values())} failed requests -> {records_dir}"
+    )
     if reverse_keys:
         bt = summary["back_translation"]
-        print(f"back-translation: {bt['prompts_added']} {cfg.lang.src_name} prompts from {bt['answered']}/"
-              f"{bt['segments']} answered segments (rejected: {dict(rejected) or 'none'}) -> {reverse_dir}")
+        print(
+            f"back-translation: {bt['prompts_added']} {cfg.lang.src_name} prompts from {bt['answered']}/"
+            f"{bt['segments']} answered segments (rejected: {dict(rejected) or 'none'}) -> {reverse_dir}"
+        )
 
     missing = len(keys) - len(done) + len(reverse_keys) - len(reverse_done)
     check_complete(cfg, path, failed, missing, len(keys) + len(reverse_keys), stats.aborted or reverse_stats.aborted)
-    return {"records": len(done), "completion_tokens": summary["completion_tokens"],
-            "failed_requests": len(keys) - len(done), "served_dtype": summary["server"]["dtype"]}
+    return {
+        "records": len(done),
+        "completion_tokens": summary["completion_tokens"],
+        "failed_requests": len(keys) - len(done),
+        "served_dtype": summary["server"]["dtype"],
+    }

@@ -3,9 +3,10 @@
 ``<run>/export/drafter/`` holds the drafter in the form transformers loads as ``assistant_model`` (a
 reduced-vocabulary drafter as pipeline/models/modeling_specdraft.py's class, which the README imports from the
 package, so that loading it runs no code from the folder; a copy of the module beside the weights serves
-``trust_remote_code=True``; exact: no probability off its map), its vLLM form (``vllm/`` for a reduced vocabulary: vLLM's heterogeneous-vocabulary
-drafting, which ``eval.engine=vllm`` runs and measures), and a README.md with the snippets for both and this
-stage's smoke check, which every export runs on export.num_prompts held-out prompts:
+``trust_remote_code=True``; exact: no probability off its map), its vLLM form (``vllm/`` for a reduced
+vocabulary: vLLM's heterogeneous-vocabulary drafting, which ``eval.engine=vllm`` runs and measures), and a
+README.md with the snippets for both and this stage's smoke check, which every export runs on
+export.num_prompts held-out prompts:
 
 - greedy: the target with the exported drafter as transformers' assistant_model gives the target's own
   greedy tokens (the eval stage's greedy gate: exact in float32, numerical ties allowed in half precision);
@@ -29,10 +30,10 @@ from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM
 
 from pipeline.device import resolve_device
+from pipeline.errors import AcceptanceMismatchError
 from pipeline.evaluation.gate import GreedyGate, tie_tolerance
 from pipeline.evaluation.heldout import heldout_prompts, stop_condition
 from pipeline.evaluation.results import environment
-from pipeline.report import greedy_gate_line
 from pipeline.jsonl import write_jsonl
 from pipeline.models.drafter import load_drafter
 from pipeline.models.export import (
@@ -47,8 +48,8 @@ from pipeline.models.export import (
 )
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.prompts import prompt_ids
+from pipeline.report import greedy_gate_line
 from pipeline.rundir import git_revision, make_command
-from pipeline.errors import AcceptanceMismatchError
 from pipeline.speculative.engine import CachedModel, ModelDrafter, generate, hf_generate, top2_gap
 from pipeline.speculative.metrics import alpha_from_tau
 from pipeline.speculative.sampler import Sampling
@@ -56,9 +57,14 @@ from pipeline.workers import exit_on_preemption
 
 SAMPLES = "samples.jsonl"
 # the exported folder's README, rendered as written: no HTML escaping, one line per template line
-README_TEMPLATE = jinja2.Environment(loader=jinja2.PackageLoader("pipeline.stages"), trim_blocks=True, lstrip_blocks=True,
-                                     keep_trailing_newline=True, undefined=jinja2.StrictUndefined,
-                                     autoescape=False).get_template("export_README.md.j2")
+README_TEMPLATE = jinja2.Environment(
+    loader=jinja2.PackageLoader("pipeline.stages"),
+    trim_blocks=True,
+    lstrip_blocks=True,
+    keep_trailing_newline=True,
+    undefined=jinja2.StrictUndefined,
+    autoescape=False,
+).get_template("export_README.md.j2")
 NOISE_SE = 4  # |tau_hf - tau_ours| beyond this many standard errors of the difference fails the stage
 
 
@@ -72,21 +78,34 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
     vocab = export_drafter(finetuned, target_path, folder, ev.num_draft_tokens)
     vllm = vllm_form(target_path, folder, vocab, ev.num_draft_tokens)
     smoke, gate = smoke_check(cfg, target_path, finetuned, folder, device, directory.path)
-    counts = {"folder": str(folder.resolve()), "reduced_vocab": vocab.unk_id if vocab is not None else None,
-              "vllm": vllm, "smoke_check": smoke}
+    counts = {
+        "folder": str(folder.resolve()),
+        "reduced_vocab": vocab.unk_id if vocab is not None else None,
+        "vllm": vllm,
+        "smoke_check": smoke,
+    }
     (folder / "README.md").write_text(readme(cfg, target_path, counts))
     t1 = smoke["t1"]
-    tracker.summary({"export/greedy_exact": smoke["greedy"]["exact"], "export/tau_hf": t1["tau_hf"],
-                     "export/tau_ours": t1["tau_ours"]})
-    print(f"export: {greedy_gate_line(smoke['greedy'], 'the target alone')} T=1 tau: transformers {t1['tau_hf']:.3f}, "
-          f"ours {t1['tau_ours']:.3f} (SE of the difference {t1['se_difference']:.3f}); vLLM: "
-          f"{vllm['reason'] or 'speculative_config in README.md'}", flush=True)
+    tracker.summary(
+        {
+            "export/greedy_exact": smoke["greedy"]["exact"],
+            "export/tau_hf": t1["tau_hf"],
+            "export/tau_ours": t1["tau_ours"],
+        }
+    )
+    print(
+        f"export: {greedy_gate_line(smoke['greedy'], 'the target alone')} T=1 tau: transformers {t1['tau_hf']:.3f}, "
+        f"ours {t1['tau_ours']:.3f} (SE of the difference {t1['se_difference']:.3f}); vLLM: "
+        f"{vllm['reason'] or 'speculative_config in README.md'}",
+        flush=True,
+    )
     # Both checks fail the stage after the folder, its README and samples.jsonl are written, for inspection.
     gate.enforce("greedy outputs with the exported drafter differ from the target's own", directory.path)
     if not t1["within_noise"]:
         raise AcceptanceMismatchError(
             f"the exported drafter's T=1 tau in transformers ({t1['tau_hf']:.3f}) differs from our engine's "
-            f"({t1['tau_ours']:.3f}) by more than {NOISE_SE} standard errors; see {directory.path / SAMPLES}")
+            f"({t1['tau_ours']:.3f}) by more than {NOISE_SE} standard errors; see {directory.path / SAMPLES}"
+        )
     return counts
 
 
@@ -96,19 +115,26 @@ def vllm_form(target_path: str, folder, vocab, k: int) -> dict:
     run it."""
     single_kv_group = sliding_window_target(target_path)
     if vocab is None:
-        return {"speculative_config": draft_model_spec(folder.resolve(), k, heterogeneous=False),
-                "disable_hybrid_kv_cache_manager": single_kv_group, "reason": None,
-                "tensor_parallel_sizes": draft_tensor_parallel_sizes(folder)}
+        return {
+            "speculative_config": draft_model_spec(folder.resolve(), k, heterogeneous=False),
+            "disable_hybrid_kv_cache_manager": single_kv_group,
+            "reason": None,
+            "tensor_parallel_sizes": draft_tensor_parallel_sizes(folder),
+        }
     problem = vllm_mapping_problem(target_path, folder, vocab)
     if problem is not None:
         return {"speculative_config": None, "reason": problem}
-    return {"speculative_config": draft_model_spec((folder / VLLM_DIR).resolve(), k, heterogeneous=True),
-            "disable_hybrid_kv_cache_manager": single_kv_group, "reason": None,
-            "tensor_parallel_sizes": draft_tensor_parallel_sizes(folder / VLLM_DIR)}
+    return {
+        "speculative_config": draft_model_spec((folder / VLLM_DIR).resolve(), k, heterogeneous=True),
+        "disable_hybrid_kv_cache_manager": single_kv_group,
+        "reason": None,
+        "tensor_parallel_sizes": draft_tensor_parallel_sizes(folder / VLLM_DIR),
+    }
 
 
-def smoke_check(cfg: DictConfig, target_path: str, finetuned: str, folder, device: torch.device,
-                out_dir) -> tuple[dict, GreedyGate]:
+def smoke_check(
+    cfg: DictConfig, target_path: str, finetuned: str, folder, device: torch.device, out_dir
+) -> tuple[dict, GreedyGate]:
     """The module docstring's two checks on export.num_prompts held-out prompts (rows to ``out_dir/samples.jsonl``):
     the results, and the greedy gate to enforce."""
     ev = cfg.eval
@@ -128,33 +154,54 @@ def smoke_check(cfg: DictConfig, target_path: str, finetuned: str, folder, devic
 
     def hf_tau(ids, seed) -> float:
         calls[0] = 0
-        tokens = hf_generate(target_model, ids, ev.max_new_tokens, stop, sampled, seed, assistant=exported,
-                             k=ev.num_draft_tokens)
+        tokens = hf_generate(
+            target_model, ids, ev.max_new_tokens, stop, sampled, seed, assistant=exported, k=ev.num_draft_tokens
+        )
         return len(tokens) / calls[0]
 
     gate, rows = GreedyGate(tie_tolerance(cfg.target.dtype, ev.tie_tolerance)), []
     for example, prompt in heldout_prompts(cfg, cfg.lang.pair, tokenizer, cfg.export.num_prompts):
         ids = torch.tensor([prompt_ids(prompt, tokenizer)], device=device)
         reference = hf_generate(target_model, ids, ev.max_new_tokens, stop, greedy, 0)
-        assisted = hf_generate(target_model, ids, ev.max_new_tokens, stop, greedy, 0, assistant=exported,
-                               k=ev.num_draft_tokens)
-        gate.check({"lang": cfg.lang.pair, "id": example.id, "method": "hf_assisted_exported"}, reference, assisted,
-                   lambda position: top2_gap(target_model, ids, reference[:position]))
+        assisted = hf_generate(
+            target_model, ids, ev.max_new_tokens, stop, greedy, 0, assistant=exported, k=ev.num_draft_tokens
+        )
+        gate.check(
+            {"lang": cfg.lang.pair, "id": example.id, "method": "hf_assisted_exported"},
+            reference,
+            assisted,
+            lambda position: top2_gap(target_model, ids, reference[:position]),
+        )
         t1 = {}
         for seed in ev.seeds:
-            generation = generate(target, ids, ev.max_new_tokens, stop, sampled, drafter=ours, k=ev.num_draft_tokens,
-                                  generator=torch.Generator(device=device).manual_seed(seed))
+            generation = generate(
+                target,
+                ids,
+                ev.max_new_tokens,
+                stop,
+                sampled,
+                drafter=ours,
+                k=ev.num_draft_tokens,
+                generator=torch.Generator(device=device).manual_seed(seed),
+            )
             t1[seed] = {"tau_hf": hf_tau(ids, seed), "tau_ours": len(generation.tokens) / generation.target_calls}
-        rows.append({"id": example.id, "prompt": prompt, "target_greedy": reference, "assisted_greedy": assisted,
-                     "t1": t1})
+        rows.append(
+            {"id": example.id, "prompt": prompt, "target_greedy": reference, "assisted_greedy": assisted, "t1": t1}
+        )
     write_jsonl(out_dir / SAMPLES, rows)
-    return {"prompts": len(rows), "greedy": gate.summary(), "t1": compare_tau(rows, ev.num_draft_tokens),
-            "K": ev.num_draft_tokens, "max_new_tokens": ev.max_new_tokens, "seeds": list(ev.seeds),
-            "example_prompt": rows[0]["prompt"],
-            # the snippet's tokenizer call gives prompts.prompt_ids' one BOS: no second one after a template's own
-            "example_add_special_tokens": prompt_ids(rows[0]["prompt"], tokenizer) != tokenizer(
-                rows[0]["prompt"], add_special_tokens=False).input_ids,
-            "environment": environment(device)}, gate
+    return {
+        "prompts": len(rows),
+        "greedy": gate.summary(),
+        "t1": compare_tau(rows, ev.num_draft_tokens),
+        "K": ev.num_draft_tokens,
+        "max_new_tokens": ev.max_new_tokens,
+        "seeds": list(ev.seeds),
+        "example_prompt": rows[0]["prompt"],
+        # the snippet's tokenizer call gives prompts.prompt_ids' one BOS: no second one after a template's own
+        "example_add_special_tokens": prompt_ids(rows[0]["prompt"], tokenizer)
+        != tokenizer(rows[0]["prompt"], add_special_tokens=False).input_ids,
+        "environment": environment(device),
+    }, gate
 
 
 def compare_tau(rows: list[dict], k: int) -> dict:
@@ -165,9 +212,15 @@ def compare_tau(rows: list[dict], k: int) -> dict:
     tau_hf, tau_ours = statistics.fmean(hf), statistics.fmean(ours)
     spread = [statistics.variance(v) / len(v) if len(v) > 1 else 0.0 for v in (hf, ours)]
     se = math.sqrt(sum(spread))
-    return {"samples": len(hf), "tau_hf": tau_hf, "tau_ours": tau_ours, "se_difference": se,
-            "alpha_from_tau_hf": alpha_from_tau(tau_hf, k), "alpha_from_tau_ours": alpha_from_tau(tau_ours, k),
-            "within_noise": abs(tau_hf - tau_ours) <= NOISE_SE * se + 1e-9}
+    return {
+        "samples": len(hf),
+        "tau_hf": tau_hf,
+        "tau_ours": tau_ours,
+        "se_difference": se,
+        "alpha_from_tau_hf": alpha_from_tau(tau_hf, k),
+        "alpha_from_tau_ours": alpha_from_tau(tau_ours, k),
+        "within_noise": abs(tau_hf - tau_ours) <= NOISE_SE * se + 1e-9,
+    }
 
 
 def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
@@ -175,19 +228,35 @@ def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
     snippets, and the smoke check."""
     smoke, vllm = counts["smoke_check"], counts["vllm"]
     values = {
-        "drafter_name": cfg.drafter.name, "target_name": cfg.target.name, "pair": cfg.lang.pair, "recipe": cfg.recipe,
-        "git": git_revision(), "reduced": counts["reduced_vocab"], "target_path": target_path,
-        "folder": counts["folder"], "dtype": cfg.target.dtype, "k": cfg.eval.num_draft_tokens,
-        "max_new_tokens": cfg.eval.max_new_tokens, "prompt": json.dumps(smoke["example_prompt"]),
-        "add_special_tokens": smoke["example_add_special_tokens"], "smoke": smoke, "t1": smoke["t1"], "vllm": vllm,
-        "single": vllm["disable_hybrid_kv_cache_manager"], "single_kv_group": SINGLE_KV_GROUP, "vllm_dir": VLLM_DIR,
+        "drafter_name": cfg.drafter.name,
+        "target_name": cfg.target.name,
+        "pair": cfg.lang.pair,
+        "recipe": cfg.recipe,
+        "git": git_revision(),
+        "reduced": counts["reduced_vocab"],
+        "target_path": target_path,
+        "folder": counts["folder"],
+        "dtype": cfg.target.dtype,
+        "k": cfg.eval.num_draft_tokens,
+        "max_new_tokens": cfg.eval.max_new_tokens,
+        "prompt": json.dumps(smoke["example_prompt"]),
+        "add_special_tokens": smoke["example_add_special_tokens"],
+        "smoke": smoke,
+        "t1": smoke["t1"],
+        "vllm": vllm,
+        "single": vllm["disable_hybrid_kv_cache_manager"],
+        "single_kv_group": SINGLE_KV_GROUP,
+        "vllm_dir": VLLM_DIR,
         "greedy_line": greedy_gate_line(smoke["greedy"], "the target alone (transformers, no assistant)"),
         "eval_command": make_command(cfg, "eval", ("eval.engine=vllm",)),
     }
     if vllm["speculative_config"] is not None:
         sizes = vllm["tensor_parallel_sizes"]
-        values |= {"spec_repr": repr(vllm["speculative_config"]), "spec_json": json.dumps(vllm["speculative_config"]),
-                   "tp_sizes": ", ".join(map(str, sizes)), "tp_largest": max(sizes),
-                   "tp_spec_json": json.dumps(vllm["speculative_config"] | {"draft_tensor_parallel_size": max(sizes)})}
+        values |= {
+            "spec_repr": repr(vllm["speculative_config"]),
+            "spec_json": json.dumps(vllm["speculative_config"]),
+            "tp_sizes": ", ".join(map(str, sizes)),
+            "tp_largest": max(sizes),
+            "tp_spec_json": json.dumps(vllm["speculative_config"] | {"draft_tensor_parallel_size": max(sizes)}),
+        }
     return README_TEMPLATE.render(values)
-

@@ -28,12 +28,19 @@ from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.rundir import StageDir, StageInputError, make_command
 from pipeline.tracking import Tracker
 from pipeline.training import loop, on_policy
-from pipeline.training.data import (TokenStrings, finetune_examples, load_examples, prompt_fraction, read_records,
-                                    save_examples, teacher_coverage, token_counts)
+from pipeline.training.data import (
+    TokenStrings,
+    finetune_examples,
+    load_examples,
+    prompt_fraction,
+    read_records,
+    save_examples,
+    teacher_coverage,
+    token_counts,
+)
 from pipeline.training.launch import MetricsLog, run_training
-from pipeline.workers import exit_on_preemption
 from pipeline.training.on_policy import rollout_stop_ids, split_heldout
-
+from pipeline.workers import exit_on_preemption
 
 EXAMPLES, HELDOUT = "examples/train.npz", "examples/heldout.npz"  # in the stage folder: tokenized by the stage
 
@@ -57,7 +64,9 @@ def tokenize(cfg: DictConfig, directory: StageDir) -> dict:
     records = [record for part in distill.parts for record in read_records(part.path / "records")]
     if not records:
         raise StageInputError(f"{distill.path} holds no records; run `{make_command(cfg, 'distill')}` with force=true")
-    records, heldout = split_heldout(records, tc.on_policy.heldout_prompts, cfg.seed) if tc.on_policy.enabled else (records, [])
+    records, heldout = (
+        split_heldout(records, tc.on_policy.heldout_prompts, cfg.seed) if tc.on_policy.enabled else (records, [])
+    )
     records = prompt_fraction(records, tc.data_fraction, cfg.seed)
     strings = None
     if tc.loss != Loss.ce:  # KD against the target's top-k logprobs stored in the records
@@ -70,8 +79,11 @@ def tokenize(cfg: DictConfig, directory: StageDir) -> dict:
     examples = finetune_examples(records, tokenizer, tc.max_length, strings)
     save_examples(directory.path / EXAMPLES, examples)
     save_examples(directory.path / HELDOUT, finetune_examples(heldout, tokenizer, tc.max_length))
-    counts = {"records": len(records), "prompts": len({r["id"] for r in records}),
-              "temperatures": sorted({r["temperature"] for r in records})}
+    counts = {
+        "records": len(records),
+        "prompts": len({r["id"] for r in records}),
+        "temperatures": sorted({r["temperature"] for r in records}),
+    }
     if strings is not None:
         counts["teacher_coverage"] = round(teacher_coverage(examples), 4)
     return counts
@@ -89,14 +101,37 @@ def train(cfg: DictConfig, directory: StageDir, log: MetricsLog) -> dict:
     else:
         model, vocab = load_drafter(str(directory.inputs["pretrain"].path / "drafter"), target_path, cfg.drafter.name)
         if vocab is not None and tc.specialize_vocab:
-            vocab = specialize_vocab(model, vocab, token_counts(examples, vocab.target_vocab_size), tokenizer,
-                                     target_path if cfg.drafter.embeddings_from_target else None)
-    return loop.train_drafter(tc, model, vocab, examples, tokenizer, target_path, directory.path, log, cfg.seed,
-                              then=aligner(cfg, vocab, examples, heldout, tokenizer, target_path, directory, log))
+            vocab = specialize_vocab(
+                model,
+                vocab,
+                token_counts(examples, vocab.target_vocab_size),
+                tokenizer,
+                target_path if cfg.drafter.embeddings_from_target else None,
+            )
+    return loop.train_drafter(
+        tc,
+        model,
+        vocab,
+        examples,
+        tokenizer,
+        target_path,
+        directory.path,
+        log,
+        cfg.seed,
+        then=aligner(cfg, vocab, examples, heldout, tokenizer, target_path, directory, log),
+    )
 
 
-def aligner(cfg: DictConfig, vocab, examples: list[dict], heldout: list[dict], tokenizer, target_path: str,
-            directory: StageDir, log: MetricsLog):
+def aligner(
+    cfg: DictConfig,
+    vocab,
+    examples: list[dict],
+    heldout: list[dict],
+    tokenizer,
+    target_path: str,
+    directory: StageDir,
+    log: MetricsLog,
+):
     """The on-policy phase after SFT (``train.finetune.on_policy``), or None when it is off. The target scores
     on the device accelerate trains on, in the target's configured dtype."""
     tc = cfg.train.finetune
@@ -106,8 +141,20 @@ def aligner(cfg: DictConfig, vocab, examples: list[dict], heldout: list[dict], t
     def align(sft: loop.TrainResult) -> loop.TrainResult:
         target = load_model(target_path, cfg.target.dtype, sft.accelerator.device)
         stops = rollout_stop_ids(stop_condition(cfg.target, tokenizer, target))
-        result = on_policy.align(tc, sft.model, vocab, target, examples, heldout, stops, tokenizer.pad_token_id,
-                                 directory.path / "on_policy", log, cfg.seed, first_step=sft.summary["steps"])
+        result = on_policy.align(
+            tc,
+            sft.model,
+            vocab,
+            target,
+            examples,
+            heldout,
+            stops,
+            tokenizer.pad_token_id,
+            directory.path / "on_policy",
+            log,
+            cfg.seed,
+            first_step=sft.summary["steps"],
+        )
         result.summary = {**sft.summary, "on_policy": result.summary}
         return result
 

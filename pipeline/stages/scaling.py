@@ -2,8 +2,9 @@
 acceptance grows with the pair's distilled data, and how much data a goal would need.
 
 For every series of ``scaling.series`` (``pf``: P-F, ``f_only``: F-only; ``pf_on_policy`` and
-``f_only_on_policy`` add ``train.finetune.on_policy``, left out by default since it did not pay) and every fraction of ``scaling.fractions`` (of the distilled prompts, nested:
-a smaller fraction's prompts are inside a larger one's), a finetune run ``<run>-scaling-<series>-<fraction>``;
+``f_only_on_policy`` add ``train.finetune.on_policy``, left out by default since it did not pay) and every
+fraction of ``scaling.fractions`` (of the distilled prompts, nested: a smaller fraction's prompts are inside a
+larger one's), a finetune run ``<run>-scaling-<series>-<fraction>``;
 the point the recipe's own finetune already is (P-F, all the data) is that finetune, reused when complete.
 Finished runs are reused, so an interrupted study resumes at its first unfinished point.
 
@@ -34,18 +35,18 @@ from omegaconf import DictConfig
 
 from pipeline.config import FinetuneMode, ScalingSeries, with_overrides
 from pipeline.device import resolve_device
+from pipeline.errors import USER_ERRORS
 from pipeline.evaluation.heldout import greedy_heldout_examples
 from pipeline.evaluation.teacher_forced import TeacherForced
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
+from pipeline.prompts import IGNORE
 from pipeline.report import summary_of
-from pipeline.errors import USER_ERRORS
 from pipeline.rundir import StageDir, StageInputError, make_command, stage_dir
 from pipeline.runner import run_stage
 from pipeline.speculative.engine import CachedModel, expected_tokens, predicted_speedup, step_costs
 from pipeline.speculative.metrics import mean_and_standard_error
 from pipeline.tracking import Tracker
-from pipeline.prompts import IGNORE
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the file backend
@@ -79,8 +80,12 @@ def point_overrides(cfg: DictConfig, point: Point) -> list[str]:
     tc = cfg.train.finetune
     if (tc.mode, tc.on_policy.enabled, tc.data_fraction) == (mode, on_policy, point.fraction):
         return []
-    return [f"run={cfg.run}-scaling-{point.series.value}-{point.fraction:g}", f"train.finetune.mode={mode.value}",
-            f"train.finetune.data_fraction={point.fraction}", f"train.finetune.on_policy.enabled={on_policy}"]
+    return [
+        f"run={cfg.run}-scaling-{point.series.value}-{point.fraction:g}",
+        f"train.finetune.mode={mode.value}",
+        f"train.finetune.data_fraction={point.fraction}",
+        f"train.finetune.on_policy.enabled={on_policy}",
+    ]
 
 
 def point_stage(stage: str, cfg: DictConfig, what: str, retry: str) -> StageDir:
@@ -96,11 +101,18 @@ def drafters(cfg: DictConfig, points: list[Point], retry: str) -> dict[str, dict
     name -> {"folder", "records", "prompts"}."""
     out = {}
     for point in points:
-        directory = point_stage("finetune", with_overrides(cfg, [*POINT, *point_overrides(cfg, point)]),
-                                f"scaling point {point.name}", retry)
+        directory = point_stage(
+            "finetune",
+            with_overrides(cfg, [*POINT, *point_overrides(cfg, point)]),
+            f"scaling point {point.name}",
+            retry,
+        )
         counts = json.loads((directory.path / "manifest.json").read_text())["counts"]
-        out[point.name] = {"folder": str(directory.path / "drafter"), "records": counts["records"],
-                           "prompts": counts.get("prompts")}  # finetunes made before scaling did not count prompts
+        out[point.name] = {
+            "folder": str(directory.path / "drafter"),
+            "records": counts["records"],
+            "prompts": counts.get("prompts"),
+        }  # finetunes made before scaling did not count prompts
     out[PRETRAINED] = {"folder": str(stage_dir(cfg, "pretrain").path / "drafter"), "records": 0, "prompts": 0}
     return out
 
@@ -110,9 +122,16 @@ def anchor_evals(cfg: DictConfig, found: dict[str, dict], retry: str) -> dict[st
     out = {}
     for name in cfg.scaling.anchors:
         label = name.replace("@", "-")
-        anchor = with_overrides(cfg, [*POINT, f"run={cfg.run}-scaling-anchor-{label}",
-                                      f"eval.drafter_path={found[name]['folder']}", *ANCHOR_EVAL,
-                                      f"eval.seeds=[{cfg.eval.seeds[0]}]"])
+        anchor = with_overrides(
+            cfg,
+            [
+                *POINT,
+                f"run={cfg.run}-scaling-anchor-{label}",
+                f"eval.drafter_path={found[name]['folder']}",
+                *ANCHOR_EVAL,
+                f"eval.seeds=[{cfg.eval.seeds[0]}]",
+            ],
+        )
         eval_dir = point_stage("eval", anchor, f"scaling anchor {name}", retry).path
         out[name] = {"eval_dir": str(eval_dir), **summary_of(json.loads((eval_dir / "metrics.json").read_text()))}
     return out
@@ -130,8 +149,10 @@ def measure(cfg: DictConfig, found: dict[str, dict]) -> tuple[dict, dict, int]:
     for name, drafter in found.items():
         model, vocab = load_drafter(drafter["folder"], target_path, device=device)
         acceptance, agreement = TeacherForced(target, vocab, examples, pad_id).per_token(model)
-        measured[name] = {"t0_agreement": mean_and_standard_error(agreement),
-                          "t1_acceptance": mean_and_standard_error(acceptance)}
+        measured[name] = {
+            "t0_agreement": mean_and_standard_error(agreement),
+            "t1_acceptance": mean_and_standard_error(acceptance),
+        }
     # c and v(K): one drafter stands for all (the same architecture); the first call is a warm-up
     k = cfg.eval.num_draft_tokens
     first_ids = torch.tensor([examples[0]["input_ids"][: examples[0]["labels"].count(IGNORE)]], device=device)
@@ -144,8 +165,10 @@ def measure(cfg: DictConfig, found: dict[str, dict]) -> tuple[dict, dict, int]:
 def predictions(agreement: float, acceptance: float, k: int, costs: dict) -> dict:
     """τ and speedup predicted from per-token acceptances (i.i.d. over the K draft positions)."""
     c, v = costs["c"], costs["v"][k]
-    return {f"T{t}": {"tau": round(expected_tokens(a, k), 3), "speedup": round(predicted_speedup(a, k, c, v), 3)}
-            for t, a in ((0, agreement), (1, acceptance))}
+    return {
+        f"T{t}": {"tau": round(expected_tokens(a, k), 3), "speedup": round(predicted_speedup(a, k, c, v), 3)}
+        for t, a in ((0, agreement), (1, acceptance))
+    }
 
 
 def trend(points: list[dict]) -> dict | None:
@@ -156,14 +179,24 @@ def trend(points: list[dict]) -> dict | None:
     x = np.log2([p["records"] for p in points])
     y = np.array([p["predicted"]["T0"]["tau"] for p in points])
     slope, intercept = np.polyfit(x, y, 1)
-    fit = {"tau_gain_per_doubling": round(float(slope), 4), "fitted_tau_at_all_data": round(float(slope * x.max() + intercept), 3)}
+    fit = {
+        "tau_gain_per_doubling": round(float(slope), 4),
+        "fitted_tau_at_all_data": round(float(slope * x.max() + intercept), 3),
+    }
     if slope <= 0:
-        return {**fit, "extrapolation": f"no gain per doubling: the paper's tau {PAPER_TAU} is out of this trend's reach"}
+        return {
+            **fit,
+            "extrapolation": f"no gain per doubling: the paper's tau {PAPER_TAU} is out of this trend's reach",
+        }
     doublings = (PAPER_TAU - (slope * x.max() + intercept)) / slope
     records = 2 ** (x.max() + doublings)
-    return {**fit, "doublings_to_paper_tau": round(float(doublings), 1), "records_for_paper_tau": float(f"{records:.3g}"),
-            "extrapolation": f"EXTRAPOLATION: were this trend to hold, tau {PAPER_TAU} would need ~{records:.3g} distilled "
-                             f"answers ({doublings:.1f} more doublings)"}
+    return {
+        **fit,
+        "doublings_to_paper_tau": round(float(doublings), 1),
+        "records_for_paper_tau": float(f"{records:.3g}"),
+        "extrapolation": f"EXTRAPOLATION: were this trend to hold, tau {PAPER_TAU} would need ~{records:.3g} distilled "
+        f"answers ({doublings:.1f} more doublings)",
+    }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -173,18 +206,27 @@ def plot(result: dict, path: Path) -> None:
         for series, fit in result["series"].items():
             rows = [p for p in result["points"].values() if p.get("series") == series]
             slope = f" ({fit['tau_gain_per_doubling']:+.3f} per doubling)" if fit and t == "T0" else ""
-            axis.plot([p["records"] for p in rows], [p["predicted"][t]["tau"] for p in rows], marker="o",
-                      label=series + slope)
+            axis.plot(
+                [p["records"] for p in rows], [p["predicted"][t]["tau"] for p in rows], marker="o", label=series + slope
+            )
         axis.axhline(baseline[t]["tau"], color="grey", linestyle="--", label="pretrained only")
         if t in anchors.get(PRETRAINED, {}):
-            axis.axhline(anchors[PRETRAINED][t]["tau"], color="grey", linestyle=":", label="pretrained only, eval stage")
-        measured = [(result["points"][name]["records"], anchor[t]["tau"])
-                    for name, anchor in anchors.items() if name != PRETRAINED and t in anchor]
+            axis.axhline(
+                anchors[PRETRAINED][t]["tau"], color="grey", linestyle=":", label="pretrained only, eval stage"
+            )
+        measured = [
+            (result["points"][name]["records"], anchor[t]["tau"])
+            for name, anchor in anchors.items()
+            if name != PRETRAINED and t in anchor
+        ]
         if measured:
             axis.scatter(*zip(*measured), marker="x", color="black", zorder=3, label="eval stage (measured)")
         axis.set_xscale("log", base=2)
-        axis.set(xlabel="distilled answers finetuned on (log scale)", ylabel="tau (tokens per target call)",
-                 title=f"{result['pair']} {t[0]}={t[1]}: teacher-forced prediction (lines), eval (x)")
+        axis.set(
+            xlabel="distilled answers finetuned on (log scale)",
+            ylabel="tau (tokens per target call)",
+            title=f"{result['pair']} {t[0]}={t[1]}: teacher-forced prediction (lines), eval (x)",
+        )
         axis.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
@@ -195,17 +237,24 @@ def plot(result: dict, path: Path) -> None:
 def table(result: dict) -> str:
     lines = ["point              records  T0 agree  T1 accept  tau T0 / T1 (pred.)  speedup T0 / T1 (pred.)"]
     for name, p in result["points"].items():
-        lines.append(f"{name:<18} {p['records']:>7}  {p['t0_agreement']['mean']:>8.3f}  {p['t1_acceptance']['mean']:>9.3f}  "
-                     f"{p['predicted']['T0']['tau']:>7.2f} / {p['predicted']['T1']['tau']:<10.2f}"
-                     f"  {p['predicted']['T0']['speedup']:>7.2f} / {p['predicted']['T1']['speedup']:.2f}")
+        lines.append(
+            f"{name:<18} {p['records']:>7}  {p['t0_agreement']['mean']:>8.3f}  {p['t1_acceptance']['mean']:>9.3f}  "
+            f"{p['predicted']['T0']['tau']:>7.2f} / {p['predicted']['T1']['tau']:<10.2f}"
+            f"  {p['predicted']['T0']['speedup']:>7.2f} / {p['predicted']['T1']['speedup']:.2f}"
+        )
     for name, anchor in result["anchors"].items():
-        measured = "; ".join(f"T={t[1]} tau {m['tau']:.2f} (predicted {result['points'][name]['predicted'][t]['tau']:.2f}), "
-                             f"speedup {m['speedup']:.2f}x (predicted {result['points'][name]['predicted'][t]['speedup']:.2f}x)"
-                             for t, m in anchor.items() if t in ("T0", "T1"))
+        measured = "; ".join(
+            f"T={t[1]} tau {m['tau']:.2f} (predicted {result['points'][name]['predicted'][t]['tau']:.2f}), "
+            f"speedup {m['speedup']:.2f}x (predicted {result['points'][name]['predicted'][t]['speedup']:.2f}x)"
+            for t, m in anchor.items()
+            if t in ("T0", "T1")
+        )
         lines.append(f"anchor {name}, eval stage measured: {measured}")
     for series, fit in result["series"].items():
         if fit:
-            lines.append(f"{series}: tau T0 {fit['tau_gain_per_doubling']:+.3f} per doubling of the data; {fit['extrapolation']}")
+            lines.append(
+                f"{series}: tau T0 {fit['tau_gain_per_doubling']:+.3f} per doubling of the data; {fit['extrapolation']}"
+            )
     return "\n".join(lines)
 
 
@@ -218,19 +267,35 @@ def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
     anchors = anchor_evals(cfg, found, retry)
     measured, costs, heldout_tokens = measure(cfg, found)
     k = cfg.eval.num_draft_tokens
-    result = {"pair": cfg.lang.pair, "target": cfg.target.name, "drafter": cfg.drafter.name, "K": k,
-              "heldout_prompts": sc.heldout_prompts, "heldout_answer_tokens": heldout_tokens,
-              "costs": {"c": round(costs["c"], 4), f"v({k})": round(costs["v"][k], 4)}, "paper_tau": PAPER_TAU,
-              "points": {}, "series": {}, "anchors": anchors}
+    result = {
+        "pair": cfg.lang.pair,
+        "target": cfg.target.name,
+        "drafter": cfg.drafter.name,
+        "K": k,
+        "heldout_prompts": sc.heldout_prompts,
+        "heldout_answer_tokens": heldout_tokens,
+        "costs": {"c": round(costs["c"], 4), f"v({k})": round(costs["v"][k], 4)},
+        "paper_tau": PAPER_TAU,
+        "points": {},
+        "series": {},
+        "anchors": anchors,
+    }
     for name, drafter in found.items():
         m = measured[name]
         result["points"][name] = {
             **({"series": name.split("@")[0], "fraction": float(name.split("@")[1])} if name != PRETRAINED else {}),
-            "records": drafter["records"], "prompts": drafter["prompts"], "drafter": drafter["folder"], **m,
-            "predicted": predictions(m["t0_agreement"]["mean"], m["t1_acceptance"]["mean"], k, costs)}
+            "records": drafter["records"],
+            "prompts": drafter["prompts"],
+            "drafter": drafter["folder"],
+            **m,
+            "predicted": predictions(m["t0_agreement"]["mean"], m["t1_acceptance"]["mean"], k, costs),
+        }
     for name, anchor in anchors.items():  # how far the i.i.d. teacher-forced prediction is from decoding
-        anchor["tau_measured_over_predicted"] = {t: round(anchor[t]["tau"] / result["points"][name]["predicted"][t]["tau"], 3)
-                                                 for t in ("T0", "T1") if t in anchor}
+        anchor["tau_measured_over_predicted"] = {
+            t: round(anchor[t]["tau"] / result["points"][name]["predicted"][t]["tau"], 3)
+            for t in ("T0", "T1")
+            if t in anchor
+        }
     for series in (ScalingSeries(s).value for s in sc.series):
         result["series"][series] = trend([p for p in result["points"].values() if p.get("series") == series])
     result["wall_time_s"] = round(time.time() - started)
@@ -239,7 +304,9 @@ def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
     text = table(result)
     (directory.path / "scaling.txt").write_text(text + "\n")
     for name, p in result["points"].items():
-        tracker.summary({f"{name}/{key}": p[key]["mean"] for key in ("t0_agreement", "t1_acceptance")}
-                        | {f"{name}/predicted_tau_T0": p["predicted"]["T0"]["tau"]})
+        tracker.summary(
+            {f"{name}/{key}": p[key]["mean"] for key in ("t0_agreement", "t1_acceptance")}
+            | {f"{name}/predicted_tau_T0": p["predicted"]["T0"]["tau"]}
+        )
     print(text)
     return {"points": len(found), "anchors": len(anchors)}

@@ -32,8 +32,8 @@ from tqdm import tqdm
 from pipeline import prompts
 from pipeline.data.sharegpt import iter_conversations
 from pipeline.jsonl import parse_jsonl
-from pipeline.prompts import IGNORE
 from pipeline.models.vocab import VocabMap
+from pipeline.prompts import IGNORE
 
 TOKENIZE_BATCH = 512
 READ_FILE = "read.json"  # a pretraining cache's counts, written last
@@ -44,7 +44,9 @@ READ_FILE = "read.json"  # a pretraining cache's counts, written last
 
 def sharegpt_documents(limit: int | None) -> Iterator[str]:
     for record in iter_conversations(limit):
-        text = "\n\n".join(turn["value"] for turn in record.get("conversations", []) if (turn.get("value") or "").strip())
+        text = "\n\n".join(
+            turn["value"] for turn in record.get("conversations", []) if (turn.get("value") or "").strip()
+        )
         if text:
             yield text
 
@@ -75,8 +77,10 @@ def mixed_documents(cfg: DictConfig, tokenizer, counts: dict[str, dict]) -> Iter
     never recycling it. ``counts`` receives each corpus's documents and tokens read.
     """
     corpora = {c.name: c for c in cfg.data.pretrain_corpora}
-    streams = {name: tokenized_documents(corpus_documents(c, cfg.data.pretrain_max_documents), tokenizer)
-               for name, c in corpora.items()}
+    streams = {
+        name: tokenized_documents(corpus_documents(c, cfg.data.pretrain_max_documents), tokenizer)
+        for name, c in corpora.items()
+    }
     counts.update({name: {"documents": 0, "tokens": 0, "exhausted": False} for name in corpora})
     while streams:
         name = min(streams, key=lambda n: counts[n]["tokens"] / corpora[n].weight)
@@ -143,8 +147,10 @@ def read_pretrain_tokens(cfg: DictConfig, tokenizer, max_tokens: int | None) -> 
     """The cached stream and its document start offsets (what every training process reads)."""
     folder = pretrain_cache(cfg, tokenizer, max_tokens)
     if not (folder / READ_FILE).exists():
-        raise FileNotFoundError(f"{folder} holds no tokenized pretraining data: the pretrain stage writes it before "
-                                "it launches the training processes; run `specdraft pretrain`, not a worker alone")
+        raise FileNotFoundError(
+            f"{folder} holds no tokenized pretraining data: the pretrain stage writes it before "
+            "it launches the training processes; run `specdraft pretrain`, not a worker alone"
+        )
     return np.load(folder / "tokens.npy"), np.load(folder / "starts.npy")
 
 
@@ -253,8 +259,8 @@ def response_ids(record: dict, prompt_ids: list[int], tokenizer) -> list[int]:
     stopped = record["finish_reason"] == "stop"
     stop = record["stop_reason"] if stopped and isinstance(record.get("stop_reason"), str) else ""
     full_ids = prompts.prompt_ids(record["prompt"] + record["response"] + stop, tokenizer)
-    if full_ids[:len(prompt_ids)] == prompt_ids:
-        ids = full_ids[len(prompt_ids):]
+    if full_ids[: len(prompt_ids)] == prompt_ids:
+        ids = full_ids[len(prompt_ids) :]
     else:
         ids = tokenizer(record["response"] + stop, add_special_tokens=False)["input_ids"]
     if stopped and isinstance(record.get("stop_reason"), int):
@@ -264,9 +270,13 @@ def response_ids(record: dict, prompt_ids: list[int], tokenizer) -> list[int]:
     return ids
 
 
-def finetune_examples(records: list[dict], tokenizer, max_length: int, strings: TokenStrings | None = None) -> list[dict]:
-    return [record_example(r, tokenizer, max_length, strings)
-            for r in tqdm(records, desc="tokenizing records", mininterval=5)]
+def finetune_examples(
+    records: list[dict], tokenizer, max_length: int, strings: TokenStrings | None = None
+) -> list[dict]:
+    return [
+        record_example(r, tokenizer, max_length, strings)
+        for r in tqdm(records, desc="tokenizing records", mininterval=5)
+    ]
 
 
 def teacher_coverage(examples: list[dict]) -> float:
@@ -301,8 +311,10 @@ def save_examples(path: Path, examples: list[dict]) -> None:
 def load_examples(path: Path) -> list[dict]:
     """What ``save_examples`` wrote, as views into the arrays; one line naming the stage if it is missing."""
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: the finetune stage tokenizes its records there before it launches "
-                                "the training processes; run `specdraft finetune`, not a worker alone")
+        raise FileNotFoundError(
+            f"{path} is missing: the finetune stage tokenizes its records there before it launches "
+            "the training processes; run `specdraft finetune`, not a worker alone"
+        )
     with np.load(path, allow_pickle=False) as data:
         arrays = {key: data[key] for key in data.files}
     bounds = np.cumsum(arrays.pop("lengths"))[:-1]
@@ -373,7 +385,9 @@ class Collator:
             del batch["position_ids"], batch["segment_ids"]
         return batch
 
-    def layout(self, rows: list[list[dict]], unlabelled_first: bool, extra: dict[str, torch.Tensor] | None = None) -> dict:
+    def layout(
+        self, rows: list[list[dict]], unlabelled_first: bool, extra: dict[str, torch.Tensor] | None = None
+    ) -> dict:
         """The rows' examples side by side, padded: every per-token field (``input_ids``, ``labels``, the teacher's
         top-k and ``extra``'s, each a padding default of one row), ``attention_mask``, ``segment_ids`` and
         ``position_ids`` (an example's own, else from 0); ``unlabelled_first``: each example's first token is no
@@ -381,11 +395,13 @@ class Collator:
         extra = extra or {}
         length = max(sum(len(e["input_ids"]) for e in row) for row in rows)
         shape = (len(rows), length)
-        batch = {"input_ids": torch.full(shape, self.pad_id, dtype=torch.long),
-                 "labels": torch.full(shape, IGNORE, dtype=torch.long),
-                 "attention_mask": torch.zeros(shape, dtype=torch.long),
-                 "position_ids": torch.zeros(shape, dtype=torch.long),
-                 "segment_ids": torch.full(shape, -1, dtype=torch.long)}  # padding: a segment of its own, no label
+        batch = {
+            "input_ids": torch.full(shape, self.pad_id, dtype=torch.long),
+            "labels": torch.full(shape, IGNORE, dtype=torch.long),
+            "attention_mask": torch.zeros(shape, dtype=torch.long),
+            "position_ids": torch.zeros(shape, dtype=torch.long),
+            "segment_ids": torch.full(shape, -1, dtype=torch.long),
+        }  # padding: a segment of its own, no label
         batch |= {key: default[:length].repeat(len(rows), 1) for key, default in extra.items()}
         if teacher := "teacher_ids" in rows[0][0]:
             k = max(e["teacher_ids"].shape[1] for row in rows for e in row)
@@ -396,14 +412,14 @@ class Collator:
             for segment, example in enumerate(row):
                 n = len(example["input_ids"])
                 for key in ("input_ids", "labels", *extra):
-                    batch[key][r, at:at + n] = torch.as_tensor(example[key])
-                batch["position_ids"][r, at:at + n] = torch.as_tensor(example.get("position_ids", range(n)))
-                batch["attention_mask"][r, at:at + n] = 1
-                batch["segment_ids"][r, at:at + n] = segment
+                    batch[key][r, at : at + n] = torch.as_tensor(example[key])
+                batch["position_ids"][r, at : at + n] = torch.as_tensor(example.get("position_ids", range(n)))
+                batch["attention_mask"][r, at : at + n] = 1
+                batch["segment_ids"][r, at : at + n] = segment
                 if teacher:
                     width = example["teacher_ids"].shape[1]
-                    batch["teacher_ids"][r, at:at + n, :width] = torch.as_tensor(example["teacher_ids"])
-                    batch["teacher_logprobs"][r, at:at + n, :width] = torch.as_tensor(example["teacher_logprobs"])
+                    batch["teacher_ids"][r, at : at + n, :width] = torch.as_tensor(example["teacher_ids"])
+                    batch["teacher_logprobs"][r, at : at + n, :width] = torch.as_tensor(example["teacher_logprobs"])
                 if unlabelled_first:
                     batch["labels"][r, at] = IGNORE
                 at += n

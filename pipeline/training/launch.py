@@ -78,14 +78,17 @@ def processes(cfg: DictConfig, stage: str) -> int:
 
     count = max(torch.cuda.device_count(), 1) * int(os.environ.get("SLURM_NNODES", "1"))
     if tc.batch_size % (tc.grad_accum * count):
-        raise ConfigError(f"train.{stage}.num_processes=auto found {count} process(es), which do not split "
-                          f"train.{stage}.batch_size={tc.batch_size} x grad_accum={tc.grad_accum} evenly: "
-                          f"set train.{stage}.num_processes or batch_size")
+        raise ConfigError(
+            f"train.{stage}.num_processes=auto found {count} process(es), which do not split "
+            f"train.{stage}.batch_size={tc.batch_size} x grad_accum={tc.grad_accum} evenly: "
+            f"set train.{stage}.num_processes or batch_size"
+        )
     return count
 
 
-def accelerate_command(cfg: DictConfig, stage: str, train: Callable, config_file: Path,
-                       stage_pid: int | None = None) -> list[str]:
+def accelerate_command(
+    cfg: DictConfig, stage: str, train: Callable, config_file: Path, stage_pid: int | None = None
+) -> list[str]:
     """The launch of ``train`` under the reaper, which ends it when ``stage_pid`` (default: this process) dies."""
     tc = cfg.train[stage]
     extra = shlex.split(os.environ.get("SPECDRAFT_LAUNCH_ARGS", ""))  # multi-node: slurm/train-node.sh's rendezvous
@@ -93,12 +96,24 @@ def accelerate_command(cfg: DictConfig, stage: str, train: Callable, config_file
     port = [] if "--main_process_port" in extra else ["--main_process_port", str(free_port())]
     return [
         # the reaper kills the launcher and its workers if the stage dies (kill -9): no trainer left behind
-        sys.executable, "-m", "pipeline.reaper", str(stage_pid or os.getpid()),
-        sys.executable, "-m", "pipeline.training.accelerate_launch",  # accelerate launch, less its traceback
-        "--config_file", str(option_file("launch", tc.launch)),
-        "--num_processes", str(processes(cfg, stage)),
-        *port, *extra,
-        "-m", "pipeline.training.launch", f"{train.__module__}:{train.__qualname__}", stage, str(config_file),
+        sys.executable,
+        "-m",
+        "pipeline.reaper",
+        str(stage_pid or os.getpid()),
+        sys.executable,
+        "-m",
+        "pipeline.training.accelerate_launch",  # accelerate launch, less its traceback
+        "--config_file",
+        str(option_file("launch", tc.launch)),
+        "--num_processes",
+        str(processes(cfg, stage)),
+        *port,
+        *extra,
+        "-m",
+        "pipeline.training.launch",
+        f"{train.__module__}:{train.__qualname__}",
+        stage,
+        str(config_file),
     ]
 
 
@@ -146,8 +161,10 @@ def run_training(cfg: DictConfig, stage: str, train: Callable, directory: StageD
         return train(cfg, directory, MetricsLog(directory.path / METRICS, tracker))
 
     if "deepspeed" in tc.launch and importlib.util.find_spec("deepspeed") is None:
-        raise ConfigError(f"train.{stage}.launch={tc.launch} needs DeepSpeed: pip install deepspeed "
-                          "(make install does), or choose launch=ddp-cpu / ddp")
+        raise ConfigError(
+            f"train.{stage}.launch={tc.launch} needs DeepSpeed: pip install deepspeed "
+            "(make install does), or choose launch=ddp-cpu / ddp"
+        )
     config_file = directory.path / LAUNCH_CONFIG
     OmegaConf.save(cfg, config_file, resolve=True)
     logged_before = len(read_metrics(directory.path))
@@ -184,13 +201,13 @@ def run_training(cfg: DictConfig, stage: str, train: Callable, directory: StageD
 
 
 def main(argv: list[str]) -> None:
-    """One process of ``accelerate launch``: ``python -m pipeline.training.launch MODULE:FUNCTION STAGE CONFIG_YAML``."""
-    from accelerate import PartialState
-    from accelerate.utils import parse_flag_from_env
-
+    """One process of ``accelerate launch``:
+    ``python -m pipeline.training.launch MODULE:FUNCTION STAGE CONFIG_YAML``."""
     # The process state is created once and shared: make it the CPU group's before the stage asks for it
     # (a plain PartialState() on a CPU-only machine would make every worker a lone process).
     import torch
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
 
     if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") and not torch.cuda.is_available():
         # DeepSpeed's CPU accelerator talks gloo; without a backend each rank would be a lone process.

@@ -41,8 +41,8 @@ from pipeline.durable import DiskFullError, fsync_tree, no_room_line, out_of_roo
 from pipeline.models.drafter import make_parallel, save_drafter
 from pipeline.models.provision import ModelNotFoundError
 from pipeline.models.vocab import PARD_TOKEN, VocabMap
-from pipeline.training import parallel_draft
 from pipeline.prompts import IGNORE
+from pipeline.training import parallel_draft
 from pipeline.training.data import Collator, label_coverage, token_counts
 from pipeline.training.losses import loss_sum
 from pipeline.workers import EXIT_PREEMPTED, preemption_signals
@@ -85,8 +85,12 @@ def save_checkpoint(accelerator: Accelerator, out_dir: Path, position: dict) -> 
         if not out_of_room(exc):
             raise
         kept = sorted(done.parent.name for done in (out_dir / CHECKPOINTS).glob(f"step-*/{STEP_FILE}"))
-        raise DiskFullError(no_room_line(exc, f"checkpoint {path.name} was not written, and the run resumes from "
-                                              f"{kept[-1] if kept else 'its start'}")) from exc
+        raise DiskFullError(
+            no_room_line(
+                exc,
+                f"checkpoint {path.name} was not written, and the run resumes from {kept[-1] if kept else 'its start'}",
+            )
+        ) from exc
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_atomic(path / STEP_FILE, json.dumps(position) + "\n")
@@ -113,14 +117,17 @@ def check_resumable(checkpoint: Path, position: dict, writer: dict) -> None:
     """
     saved = {key: position[key] for key in writer}
     if not (saved["deepspeed"] or writer["deepspeed"]) or (saved["deepspeed"], saved["processes"]) == (
-            writer["deepspeed"], writer["processes"]):
+        writer["deepspeed"],
+        writer["processes"],
+    ):
         return
     key = f"train.{checkpoint_stage(checkpoint)}"
     raise ConfigError(
         f"{checkpoint} was written by {saved['processes']} process(es) with launch={saved['launch']}, which "
         f"{writer['processes']} process(es) with launch={writer['launch']} cannot load"
         f"{' (DeepSpeed ZeRO shards its state by process)' if saved['deepspeed'] else ''}: resume with "
-        f"{key}.launch={saved['launch']} {key}.num_processes={saved['processes']}, or start over with {key}.resume=never"
+        f"{key}.launch={saved['launch']} {key}.num_processes={saved['processes']}, "
+        f"or start over with {key}.resume=never"
     )
 
 
@@ -138,10 +145,16 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path, writer: dict) ->
     except (SafetensorError, OSError, EOFError, pickle.UnpicklingError, json.JSONDecodeError, RuntimeError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         stage = checkpoint_stage(checkpoint)
-        older = [done.parent.name for done in sorted(checkpoint.parent.glob(f"step-*/{STEP_FILE}"))
-                 if done.parent != checkpoint]
-        fix = (f"delete that folder to resume from {older[-1]}" if older else
-               f"delete that folder (or set train.{stage}.resume=never) to train this stage from step 0")
+        older = [
+            done.parent.name
+            for done in sorted(checkpoint.parent.glob(f"step-*/{STEP_FILE}"))
+            if done.parent != checkpoint
+        ]
+        fix = (
+            f"delete that folder to resume from {older[-1]}"
+            if older
+            else f"delete that folder (or set train.{stage}.resume=never) to train this stage from step 0"
+        )
         raise ModelNotFoundError(f"checkpoint {checkpoint} is damaged ({type(exc).__name__}: {reason}); {fix}") from exc
     return position
 
@@ -199,8 +212,9 @@ def plan_steps(tc: DictConfig, examples: int, world: int) -> tuple[int, int, int
     return local_batch, steps_per_epoch, total_steps
 
 
-def resume(tc: DictConfig, accelerator: Accelerator, scheduler, out_dir: Path, writer: dict,
-           total_steps: int) -> tuple[int, int, float]:
+def resume(
+    tc: DictConfig, accelerator: Accelerator, scheduler, out_dir: Path, writer: dict, total_steps: int
+) -> tuple[int, int, float]:
     """(step, tokens seen, last loss) to continue from: the latest checkpoint's with ``resume=auto`` (weights,
     optimizer and the schedule's position restored), else the start."""
     checkpoint = latest_checkpoint(out_dir) if tc.resume == "auto" else None
@@ -243,8 +257,8 @@ def train(
 ) -> TrainResult:
     """Train ``model`` on ``examples``. ``objective(model, batch, sample_seed)`` returns (loss summed over the
     supervised positions, their count, input tokens), then, for an objective with ``part_names``, a (parts, 2)
-    tensor of each part's loss sum and count, logged as ``loss_<part>``; default: ``tc.loss`` on the labels. ``sample_seed``
-    is fixed by (seed, step, micro-batch, rank), so an objective that samples resumes reproducibly.
+    tensor of each part's loss sum and count, logged as ``loss_<part>``; default: ``tc.loss`` on the labels.
+    ``sample_seed`` is fixed by (seed, step, micro-batch, rank), so an objective that samples resumes reproducibly.
     ``evaluate(model)``, if given, runs at every checkpoint step and its metrics join that step's log line."""
     # .value: str() of a (str, Enum) member is its qualified name, which accelerate refuses
     accelerator = Accelerator(mixed_precision=tc.mixed_precision.value, gradient_accumulation_steps=tc.grad_accum)
@@ -270,7 +284,7 @@ def train(
         epoch, skip = divmod(start_step, steps_per_epoch)
         while True:
             order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch))
-            order = order[skip * tc.batch_size: steps_per_epoch * tc.batch_size].view(-1, world, local_batch)
+            order = order[skip * tc.batch_size : steps_per_epoch * tc.batch_size].view(-1, world, local_batch)
             mine = order[:, accelerator.process_index].flatten().tolist()
             yield from DataLoader(examples, batch_size=local_batch, sampler=mine, collate_fn=collate, pin_memory=pinned)
             epoch, skip = epoch + 1, 0
@@ -292,7 +306,9 @@ def train(
                 # pinned and non-blocking: a pageable copy would make the host wait for the device every micro-batch
                 batch = {k: v.to(accelerator.device, non_blocking=pinned) for k, v in next(data).items()}
                 with accelerator.accumulate(model):
-                    sample_seed = ((seed * 1_000_003 + step) * tc.grad_accum + micro) * world + accelerator.process_index
+                    sample_seed = (
+                        (seed * 1_000_003 + step) * tc.grad_accum + micro
+                    ) * world + accelerator.process_index
                     loss_total, label_tokens, inputs, *by_part = objective(model, batch, sample_seed)
                     micro_tokens = accelerator.reduce(label_tokens, "sum").clamp(min=1)
                     # DDP averages gradients over processes: scale so the result is the global token mean.
@@ -301,8 +317,12 @@ def train(
                         grad_norm = accelerator.clip_grad_norm_(model.parameters(), tc.grad_clip)
                     optimizer.step()  # a no-op until the last micro-batch (accelerate's accumulate)
                     optimizer.zero_grad(set_to_none=True)
-                window += torch.cat([torch.stack([loss_total.detach().double(), label_tokens.double(), inputs.double()]),
-                                     *(part.detach().double().flatten() for part in by_part)])
+                window += torch.cat(
+                    [
+                        torch.stack([loss_total.detach().double(), label_tokens.double(), inputs.double()]),
+                        *(part.detach().double().flatten() for part in by_part),
+                    ]
+                )
                 local_inputs += inputs
             scheduler.step()
             step += 1
@@ -324,7 +344,9 @@ def train(
                     "tokens_seen": tokens_seen,
                     "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
                 }
-                metrics |= {f"loss_{name}": part_sums[2 * i] / max(part_sums[2 * i + 1], 1) for i, name in enumerate(parts)}
+                metrics |= {
+                    f"loss_{name}": part_sums[2 * i] / max(part_sums[2 * i + 1], 1) for i, name in enumerate(parts)
+                }
                 if grad_norm is not None:
                     metrics["grad_norm"] = float(grad_norm)
                 if evaluate is not None and checkpoint_now:
@@ -334,7 +356,9 @@ def train(
                 if accelerator.is_main_process:
                     log(metrics, step)
             if checkpoint_now:
-                save_checkpoint(accelerator, out_dir, {"step": step, "tokens_seen": tokens_seen, "loss": last_loss, **writer})
+                save_checkpoint(
+                    accelerator, out_dir, {"step": step, "tokens_seen": tokens_seen, "loss": last_loss, **writer}
+                )
             if stop:
                 bar.close()
                 accelerator.print(f"preempted: checkpoint at step {step} saved; run the same command again to resume")
@@ -342,15 +366,28 @@ def train(
     bar.close()
     wall = time.time() - started
     run_tokens = int(accelerator.reduce(local_inputs, "sum").item())
-    summary = {"steps": step, "processes": accelerator.num_processes, "tokens_seen": tokens_before + run_tokens,
-               "final_loss": last_loss,
-               "train_time_s": round(wall, 1), "tokens_per_s": round(run_tokens / max(wall, 1e-9), 1)}
+    summary = {
+        "steps": step,
+        "processes": accelerator.num_processes,
+        "tokens_seen": tokens_before + run_tokens,
+        "final_loss": last_loss,
+        "train_time_s": round(wall, 1),
+        "tokens_per_s": round(run_tokens / max(wall, 1e-9), 1),
+    }
     return TrainResult(accelerator, model, summary)
 
 
 def train_drafter(
-    tc: DictConfig, model, vocab: VocabMap | None, examples: list, tokenizer, target_path: str, out_dir: Path,
-    log: Callable[[dict, int], None], seed: int, then: Callable[[TrainResult], TrainResult] | None = None,
+    tc: DictConfig,
+    model,
+    vocab: VocabMap | None,
+    examples: list,
+    tokenizer,
+    target_path: str,
+    out_dir: Path,
+    log: Callable[[dict, int], None],
+    seed: int,
+    then: Callable[[TrainResult], TrainResult] | None = None,
 ) -> dict:
     """Train, then write ``out_dir/drafter`` (contract 2); returns the counts for the manifest. ``then``, if
     given, is a further phase that continues from the trained drafter (finetune's on-policy alignment)."""
@@ -362,8 +399,9 @@ def train_drafter(
             counts = token_counts(examples, model.config.vocab_size)
             mask_id = parallel_draft.mask_token(tokenizer, model.config.vocab_size, counts, tc.parallel_draft)
         model = make_parallel(model, vocab, tc.parallel_draft.k, mask_id)
-        collate = parallel_draft.ParallelDraftCollator(tokenizer.pad_token_id, vocab, model.config.pard_token,
-                                                       tc.parallel_draft, pack_length)
+        collate = parallel_draft.ParallelDraftCollator(
+            tokenizer.pad_token_id, vocab, model.config.pard_token, tc.parallel_draft, pack_length
+        )
         objective = parallel_draft.parallel_draft_objective(Loss(tc.get("loss", Loss.ce)), tc.parallel_draft.k)
     else:
         collate = Collator(tokenizer.pad_token_id, vocab, pack_length)

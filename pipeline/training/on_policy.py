@@ -64,8 +64,12 @@ def divergence(log_q: torch.Tensor, log_p: torch.Tensor, kind: Divergence) -> to
 def drafter_logits(model, drafter_ids: torch.Tensor, attention_mask: torch.Tensor, first: int) -> torch.Tensor:
     """The drafter's logits at positions ``first - 1`` .. ``L - 2`` (those predicting tokens ``first`` ..)."""
     keep = torch.arange(first - 1, drafter_ids.shape[1] - 1, device=drafter_ids.device)
-    return model(input_ids=drafter_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                 logits_to_keep=keep).logits
+    return model(
+        input_ids=drafter_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids(attention_mask),
+        logits_to_keep=keep,
+    ).logits
 
 
 # ---------------------------------------------------------------- rollouts
@@ -80,7 +84,9 @@ def rollout_stop_ids(stop: StopCondition) -> list[int]:
 class OnPolicyObjective:
     """``loop.train``'s objective for the alignment phase: rollout -> score -> divergence, per micro-batch."""
 
-    def __init__(self, op: DictConfig, target, vocab: VocabMap | None, stop_ids: list[int], pad_id: int, max_length: int):
+    def __init__(
+        self, op: DictConfig, target, vocab: VocabMap | None, stop_ids: list[int], pad_id: int, max_length: int
+    ):
         device = next(target.parameters()).device
         self.op, self.target, self.pad_id = op, target, pad_id
         self.vocab = vocab_on(vocab, device)
@@ -96,22 +102,30 @@ class OnPolicyObjective:
             answer_start = int((labels == IGNORE).logical_and(mask.bool()).cumprod(0).sum())  # the prompt's length
             answer_len = max(int(mask.sum()) - answer_start, 1)
             prefix = int(torch.randint(answer_len, (1,), generator=generator)) if self.op.from_answer_prefix else 0
-            rows.append(ids[: answer_start + prefix][-self.max_context:].cpu())
+            rows.append(ids[: answer_start + prefix][-self.max_context :].cpu())
         return rows
 
     @torch.no_grad()
     def rollout(self, drafter, context: torch.Tensor, mask: torch.Tensor, sample_seed: int) -> torch.Tensor:
         """``rollout_tokens`` drafter ids per row, sampled at ``rollout_temperature`` (in drafter ids)."""
         device = context.device
-        sampling = ({"do_sample": True, "temperature": self.op.rollout_temperature, "top_k": 0, "top_p": 1.0}
-                    if self.op.rollout_temperature > 0 else {"do_sample": False})
+        sampling = (
+            {"do_sample": True, "temperature": self.op.rollout_temperature, "top_k": 0, "top_p": 1.0}
+            if self.op.rollout_temperature > 0
+            else {"do_sample": False}
+        )
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(sample_seed)
             out = drafter.generate(
-                input_ids=context, attention_mask=mask, max_new_tokens=self.op.rollout_tokens,
-                eos_token_id=self.drafter_stop_ids, pad_token_id=self.pad_drafter_id,
-                suppress_tokens=[self.vocab.unk_id] if self.vocab is not None else None, **sampling)
-        return out[:, context.shape[1]:]
+                input_ids=context,
+                attention_mask=mask,
+                max_new_tokens=self.op.rollout_tokens,
+                eos_token_id=self.drafter_stop_ids,
+                pad_token_id=self.pad_drafter_id,
+                suppress_tokens=[self.vocab.unk_id] if self.vocab is not None else None,
+                **sampling,
+            )
+        return out[:, context.shape[1] :]
 
     @property
     def pad_drafter_id(self) -> int:
@@ -131,7 +145,7 @@ class OnPolicyObjective:
         attention_mask = torch.cat([context_mask, drafted_mask], dim=1)
         first = context.shape[1]
         scored = torch.zeros_like(attention_mask, dtype=torch.bool)
-        scored[:, first - 1: -1] = drafted_mask.bool()
+        scored[:, first - 1 : -1] = drafted_mask.bool()
         scores = score(self.target, input_ids, attention_mask, scored, self.vocab)
         logits = drafter_logits(model, encode(input_ids), attention_mask, first)[drafted_mask.bool()]
         per_position = divergence(drafter_log_probs(logits, self.vocab), scores.log_p, Divergence(self.op.divergence))
@@ -146,8 +160,10 @@ def split_heldout(records: list[dict], count: int, seed: int) -> tuple[list[dict
     the alignment; of each, its greedy answer (its lowest-temperature record) is kept for the estimate."""
     order = seeded_prompt_ids(records, seed)
     if count >= len(order):
-        raise ConfigError(f"train.finetune.on_policy.heldout_prompts={count} leaves none of the {len(order)} "
-                          "distilled prompts to train on; lower it")
+        raise ConfigError(
+            f"train.finetune.on_policy.heldout_prompts={count} leaves none of the {len(order)} "
+            "distilled prompts to train on; lower it"
+        )
     held = set(order[:count])
     greedy = {}
     for r in records:
@@ -160,15 +176,35 @@ def phase_config(tc: DictConfig) -> DictConfig:
     """The loop's settings for the alignment phase: its own batch, steps and learning rate; a checkpoint and
     the held-out estimate every round; the finetune's precision, clipping and resume policy."""
     op = tc.on_policy
-    return OmegaConf.merge(tc, {
-        "lr": op.lr, "batch_size": op.batch_size, "grad_accum": 1, "max_steps": op.rounds * op.steps_per_round,
-        "token_budget": None, "warmup_ratio": 0.0, "save_every": op.steps_per_round,
-        "log_every": min(tc.log_every, op.steps_per_round)})
+    return OmegaConf.merge(
+        tc,
+        {
+            "lr": op.lr,
+            "batch_size": op.batch_size,
+            "grad_accum": 1,
+            "max_steps": op.rounds * op.steps_per_round,
+            "token_budget": None,
+            "warmup_ratio": 0.0,
+            "save_every": op.steps_per_round,
+            "log_every": min(tc.log_every, op.steps_per_round),
+        },
+    )
 
 
-def align(tc: DictConfig, model, vocab: VocabMap | None, target, examples: list[dict], heldout: list[dict],
-          stop_ids: list[int], pad_id: int | None, out_dir: Path, log: Callable[[dict, int], None], seed: int,
-          first_step: int) -> loop.TrainResult:
+def align(
+    tc: DictConfig,
+    model,
+    vocab: VocabMap | None,
+    target,
+    examples: list[dict],
+    heldout: list[dict],
+    stop_ids: list[int],
+    pad_id: int | None,
+    out_dir: Path,
+    log: Callable[[dict, int], None],
+    seed: int,
+    first_step: int,
+) -> loop.TrainResult:
     """The alignment phase from ``model`` (the SFT drafter): ``tc.on_policy.rounds`` rounds, checkpointed in
     ``out_dir``, logged as ``on_policy/<metric>`` at steps after ``first_step`` (SFT's last)."""
     pad_id = 0 if pad_id is None else pad_id  # Llama-2 has no pad token: padding is masked, any id serves
@@ -176,9 +212,17 @@ def align(tc: DictConfig, model, vocab: VocabMap | None, target, examples: list[
     before = held_out(model)
     objective = OnPolicyObjective(tc.on_policy, target, vocab, stop_ids, pad_id, tc.max_length)
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = loop.train(phase_config(tc), model, examples, Collator(pad_id, None), out_dir,
-                        lambda metrics, step: log({f"on_policy/{k}": v for k, v in metrics.items()}, first_step + step),
-                        seed, objective=objective, evaluate=held_out)
+    result = loop.train(
+        phase_config(tc),
+        model,
+        examples,
+        Collator(pad_id, None),
+        out_dir,
+        lambda metrics, step: log({f"on_policy/{k}": v for k, v in metrics.items()}, first_step + step),
+        seed,
+        objective=objective,
+        evaluate=held_out,
+    )
     after = held_out(result.model)
     result.summary = {**result.summary, "heldout_before": before, "heldout_after": after}
     return result
