@@ -14,6 +14,7 @@ import inspect
 import io
 import json
 import tokenize
+import types
 import typing
 from enum import Enum
 from functools import cache
@@ -77,7 +78,8 @@ def _help(cls: type, name: str) -> str:
 
 def _strip_optional(tp: Any) -> tuple[Any, bool]:
     args = typing.get_args(tp)
-    if typing.get_origin(tp) is typing.Union and len(args) == 2 and type(None) in args:  # Optional[X]
+    # Optional[X] or X | None
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
         return next(a for a in args if a is not type(None)), True
     return tp, False
 
