@@ -36,10 +36,13 @@ def main(out_dir: Path, settings: BenchSettings) -> dict:
 
     # runs/<target>/<drafter>/<run>/<pair>/finetune/drafter: every drafter and variant finetuned on the pair
     folders = sorted(Path(cfg.paths.runs_dir).glob(f"{cfg.target.name}/*/*/{PAIR}/finetune/drafter"))
-    scores = {}
+    scores, scorers = {}, {}  # scorers: one target pass per vocabulary map, shared by the drafters that have it
     for folder in folders:
         model, vocab = load_drafter(str(folder), target_path, device=device)
-        acceptance, agreement = TeacherForced(target, vocab, examples, pad_id).per_token(model)
+        key = None if vocab is None else tuple(vocab.target_ids.tolist())
+        if key not in scorers:
+            scorers[key] = TeacherForced(target, vocab, examples, pad_id)
+        acceptance, agreement = scorers[key].per_token(model)
         scores[f"{folder.parents[3].name}/{folder.parents[2].name}"] = (agreement, acceptance)  # METRICS' order
     reference_name = f"{cfg.drafter.name}/{cfg.run}"
     reference = scores.get(reference_name)  # the recipe's drafter: the others are paired against it
