@@ -151,7 +151,8 @@ def test_two_ddp_jobs_on_one_node_both_finish(tmp_path, smollm_path):
             if stage.poll() is None:
                 os.killpg(stage.pid, signal.SIGKILL)
     output = {name: (log.seek(0), log.read())[1][-3000:] for name, log in logs.items()}
-    assert codes == {"a": 0, "b": 0}, output
+    # a string, not the dict: pytest shortens a dict's repr to its first and last characters, the traceback lost
+    assert codes == {"a": 0, "b": 0}, "\n".join(f"--- job {name}:\n{text}" for name, text in output.items())
     for name, args in runs.items():
         path = stage_dir(compose_config(args), "pretrain").path
         assert (path / MARKER).exists() and sorted(read_metrics(path)) == list(range(1, 7)), output[name]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -258,6 +260,41 @@ def test_checkpoint_of_another_process_count_resumes_unless_deepspeed_wrote_or_r
     with pytest.raises(ConfigError, match="DeepSpeed ZeRO shards its state by process") as refused:
         loop.check_resumable(checkpoint, zero, {"processes": 4, "deepspeed": True, "launch": "deepspeed-zero2"})
     assert "\n" not in str(refused.value) and "num_processes=8" in str(refused.value)
+
+
+def save_while_the_main_process_still_writes(out_dir: str) -> None:
+    """One rank of the test below: rank 0's save ends with a file written through a temporary, a second late."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(2, 2))
+    write_state = accelerator.save_state
+
+    def save_state(path):
+        write_state(path)
+        if accelerator.is_main_process:  # as safetensors or a sharded writer may: a temporary, then a rename
+            late = Path(path) / ".late.tmp"
+            late.write_bytes(bytes(1024))
+            time.sleep(1)
+            late.rename(Path(path) / "late.bin")
+
+    accelerator.save_state = save_state
+    synced, fsync = [], os.fsync
+    os.fsync = lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or fsync(fd)
+    loop.save_checkpoint(accelerator, Path(out_dir), {"step": 1})
+    names = [Path(name).name for name in synced]
+    assert "late.bin" in names and ".late.tmp" not in names, (
+        f"rank {accelerator.process_index} walked the checkpoint while rank 0 still wrote it: synced {names}"
+    )
+    assert (Path(out_dir) / loop.CHECKPOINTS / "step-00000001" / "late.bin").exists()
+
+
+def test_no_rank_walks_a_checkpoint_before_every_rank_has_written_it(tmp_path):
+    """A rank that fsyncs the folder while another still renames its temporaries fails to open one (ENOENT):
+    a 2-process DDP pretrain died so, 1 run in 6, before the barrier between writing and syncing."""
+    from accelerate import debug_launcher
+
+    debug_launcher(save_while_the_main_process_still_writes, args=(str(tmp_path),), num_processes=2)
 
 
 def test_num_processes_auto_is_every_local_gpu_and_must_split_the_batch(monkeypatch):

@@ -80,6 +80,9 @@ def save_checkpoint(accelerator: Accelerator, out_dir: Path, position: dict) -> 
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(path))  # every rank takes part (DeepSpeed shards)
+        # every rank done writing before any walks the folder: a rank still writing renames its temporary
+        # files, and a walk that listed one would fail to open it (ENOENT)
+        accelerator.wait_for_everyone()
         fsync_tree(path)  # every rank: its own files on disk before step.json declares the checkpoint whole
     except (OSError, RuntimeError, SafetensorError) as exc:
         if not out_of_room(exc):
