@@ -265,7 +265,9 @@ def test_checkpoint_of_another_process_count_resumes_unless_deepspeed_wrote_or_r
 def save_while_the_main_process_still_writes(out_dir: str) -> None:
     """One rank of the test below: rank 0's save ends with a file written through a temporary, a second late."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
+    AcceleratorState._reset_state(reset_partial_state=True)  # forked from pytest: not the parent's 1-process state
     accelerator = Accelerator(cpu=True)
     accelerator.prepare(torch.nn.Linear(2, 2))
     write_state = accelerator.save_state
