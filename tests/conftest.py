@@ -11,6 +11,16 @@ from pipeline.models.provision import model_path
 MODELS_DIR = REPO_ROOT / "models"
 
 
+def pytest_collection_modifyitems(items):
+    """Under ``pytest -n N --dist loadgroup`` (make test), tests that share one costly thing run on one worker:
+    the session's vLLM server (started once, ~5 GB) and test_slurm's one-node cluster (fixed ports)."""
+    for item in items:
+        if "vllm_server" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("vllm_server"))
+        elif item.module.__name__.endswith("test_slurm"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+
+
 @pytest.fixture
 def runs_dir(tmp_path):
     return tmp_path / "runs"
