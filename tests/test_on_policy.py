@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from transformers import LlamaForCausalLM
 
 from pipeline.config import Divergence, FinetuneConfig
-from pipeline.evaluation.teacher_forced import TeacherForced, drafter_log_probs
+from pipeline.evaluation.teacher_forced import SharedTeacherForced, TeacherForced, drafter_log_probs
 from pipeline.models.vocab import VocabMap
 from pipeline.prompts import IGNORE
 from pipeline.training import loop, on_policy
@@ -95,6 +95,21 @@ def test_target_scores_and_heldout_estimate_equal_a_full_vocabulary_computation(
         count += int(answer.sum())
     assert estimate["heldout_t1_acceptance"] == pytest.approx(accept / count, abs=1e-5)
     assert estimate["heldout_t0_agreement"] == pytest.approx(agree / count)
+
+
+def test_drafters_of_one_vocabulary_map_share_one_target_pass_and_keep_their_scores():
+    target, held = llama(TARGET_VOCAB, 0), examples(4)
+    reduced = [llama(MAPPED + 1, seed) for seed in (1, 2)]
+    full = llama(TARGET_VOCAB, 3)
+    passes = []
+    target.base_model.register_forward_hook(lambda *_: passes.append(1))  # what scoring runs of the target
+    shared = SharedTeacherForced(target, held, PAD)
+    got = [shared.per_token(drafter, VOCAB) for drafter in reduced] + [shared.per_token(full, None)]
+    assert len(passes) == 2  # one for the map, one for the whole vocabulary
+    alone = [TeacherForced(target, VOCAB, held, PAD).per_token(d) for d in reduced]
+    alone.append(TeacherForced(target, None, held, PAD).per_token(full))
+    for (acceptance, agreement), (acceptance_alone, agreement_alone) in zip(got, alone):
+        assert torch.equal(acceptance, acceptance_alone) and torch.equal(agreement, agreement_alone)
 
 
 def finetune_config(tmp_path, **on_policy_overrides):

@@ -17,7 +17,7 @@ import torch
 
 from pipeline.bench import BenchSettings
 from pipeline.evaluation.heldout import greedy_heldout_examples
-from pipeline.evaluation.teacher_forced import TeacherForced
+from pipeline.evaluation.teacher_forced import SharedTeacherForced
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model
 from pipeline.prompts import IGNORE
@@ -36,13 +36,10 @@ def main(out_dir: Path, settings: BenchSettings) -> dict:
 
     # runs/<target>/<drafter>/<run>/<pair>/finetune/drafter: every drafter and variant finetuned on the pair
     folders = sorted(Path(cfg.paths.runs_dir).glob(f"{cfg.target.name}/*/*/{PAIR}/finetune/drafter"))
-    scores, scorers = {}, {}  # scorers: one target pass per vocabulary map, shared by the drafters that have it
+    scores, scorer = {}, SharedTeacherForced(target, examples, pad_id)
     for folder in folders:
         model, vocab = load_drafter(str(folder), target_path, device=device)
-        key = None if vocab is None else tuple(vocab.target_ids.tolist())
-        if key not in scorers:
-            scorers[key] = TeacherForced(target, vocab, examples, pad_id)
-        acceptance, agreement = scorers[key].per_token(model)
+        acceptance, agreement = scorer.per_token(model, vocab)
         scores[f"{folder.parents[3].name}/{folder.parents[2].name}"] = (agreement, acceptance)  # METRICS' order
     reference_name = f"{cfg.drafter.name}/{cfg.run}"
     reference = scores.get(reference_name)  # the recipe's drafter: the others are paired against it

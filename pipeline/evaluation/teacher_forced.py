@@ -114,3 +114,16 @@ class TeacherForced:
         top = log_q.argmax(-1)
         top = self.vocab.target_ids[top] if self.vocab is not None else top
         return acceptance, (top == self.scores.argmax).float()
+
+
+class SharedTeacherForced:
+    """One ``TeacherForced`` per vocabulary map: drafters that share a map share the target's pass."""
+
+    def __init__(self, target, examples: list[dict], pad_id: int):
+        self.target, self.examples, self.pad_id, self.by_map = target, examples, pad_id, {}
+
+    def per_token(self, drafter, vocab: VocabMap | None) -> tuple[torch.Tensor, torch.Tensor]:
+        key = None if vocab is None else tuple(vocab.target_ids.tolist())
+        if key not in self.by_map:
+            self.by_map[key] = TeacherForced(self.target, vocab, self.examples, self.pad_id)
+        return self.by_map[key].per_token(drafter)

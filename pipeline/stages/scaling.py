@@ -37,7 +37,7 @@ from pipeline.config import FinetuneMode, ScalingSeries, with_overrides
 from pipeline.device import resolve_device
 from pipeline.errors import USER_ERRORS
 from pipeline.evaluation.heldout import greedy_heldout_examples
-from pipeline.evaluation.teacher_forced import TeacherForced
+from pipeline.evaluation.teacher_forced import SharedTeacherForced
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.prompts import IGNORE
@@ -145,10 +145,10 @@ def measure(cfg: DictConfig, found: dict[str, dict]) -> tuple[dict, dict, int]:
     tokenizer, target = load_tokenizer(target_path), load_model(target_path, cfg.target.dtype, device)
     examples = greedy_heldout_examples(cfg, target, tokenizer, cfg.scaling.heldout_prompts, cfg.eval.max_new_tokens)
     pad_id = 0 if tokenizer.pad_token_id is None else tokenizer.pad_token_id
-    measured = {}
+    measured, scorer = {}, SharedTeacherForced(target, examples, pad_id)
     for name, drafter in found.items():
         model, vocab = load_drafter(drafter["folder"], target_path, device=device)
-        acceptance, agreement = TeacherForced(target, vocab, examples, pad_id).per_token(model)
+        acceptance, agreement = scorer.per_token(model, vocab)
         measured[name] = {
             "t0_agreement": mean_and_standard_error(agreement),
             "t1_acceptance": mean_and_standard_error(acceptance),
