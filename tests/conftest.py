@@ -12,8 +12,8 @@ MODELS_DIR = REPO_ROOT / "models"
 
 
 def pytest_collection_modifyitems(items):
-    """Under ``pytest -n N --dist loadgroup`` (make test), tests that share one costly thing run on one worker:
-    the session's vLLM server (started once, ~5 GB) and test_slurm's one-node cluster (fixed ports)."""
+    """Under ``pytest -n N --dist loadgroup`` (make test-fast), tests that share one costly thing run on one
+    worker: the session's vLLM server (started once, ~5 GB) and test_slurm's one-node cluster (fixed ports)."""
     for item in items:
         if "vllm_server" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group("vllm_server"))
