@@ -302,135 +302,168 @@ def check_complete(
         )
 
 
-def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
+@dataclass
+class Target:
+    """The model that answers: its folder, the revision every record carries, its tokenizer."""
+
+    folder: str
+    revision: str  # the fingerprint of the stage's hash (a hub commit, not "main"), compared on resume
+    tokenizer: object
+
+
+def load_target(cfg: DictConfig) -> Target:
     folder = model_path(cfg.target, cfg.paths.models_dir)
-    # recorded per record, compared on resume: the fingerprint of the stage's hash (a hub commit, not "main")
     revision = model_fingerprint(cfg.target, cfg.paths.models_dir)
     check_model_folder(folder)
-    tokenizer = load_tokenizer(folder)
-    train, heldout = load_sources(cfg)  # held-out prompts are never distilled
-    num_shards, shard = cfg.distill.num_shards, cfg.distill.shard
-    if num_shards > 1:  # this job's slice of the training prompts
-        train = [ex for ex in train if shard_of(ex.id, num_shards) == shard]
-    records_dir, reverse_dir = path / RECORDS_DIR, path / BACK_TRANSLATIONS_DIR
-    records_dir.mkdir(exist_ok=True)
-    if (path / FAILURES_FILE).exists():
-        read_jsonl(path / FAILURES_FILE)  # cut a torn last line before appending
-    # Back-translation first (greedy, one answer per segment): its usable answers join the training prompts.
-    reverse_lang = back_translation.reverse(cfg.lang)
-    reverse_keys, reverse_jobs = [], []
-    if cfg.data.back_translation:
-        reverse_dir.mkdir(exist_ok=True)
-        reverse_keys, reverse_jobs = _jobs(
-            back_translation.segments(cfg),
-            load_records(reverse_dir, revision),
-            cfg,
-            reverse_lang,
-            tokenizer,
-            [0.0],
-            back_translation.shots(cfg.lang),
-        )
-    plan = training_plan(cfg, train, heldout, path, revision, tokenizer)
-    print(
-        f"distill {cfg.lang.pair}"
-        + (f" shard {shard} of {num_shards}" if num_shards > 1 else "")
-        + f": {len(train)} prompts"
-        + (
-            f" + back-translations of {len(reverse_keys)} {cfg.lang.tgt_name} segments ({len(reverse_jobs)} to do)"
-            if reverse_keys
-            else ""
-        )
-        + f" x {len(cfg.distill.temperatures)} temperatures x {cfg.distill.samples_per_prompt} samples, "
-        f"{len(plan.keys) - len(plan.jobs)} records already done"
-    )
+    return Target(folder, revision, load_tokenizer(folder))
 
-    stats, reverse_stats = RunStats(), RunStats()
-    elapsed = 0.0
+
+def shard_prompts(cfg: DictConfig) -> tuple[list[Example], list[Example]]:
+    """(this job's training prompts, the held-out prompts): held-out prompts are never distilled."""
+    train, heldout = load_sources(cfg)
+    if cfg.distill.num_shards > 1:
+        train = [ex for ex in train if shard_of(ex.id, cfg.distill.num_shards) == cfg.distill.shard]
+    return train, heldout
+
+
+def back_translation_plan(cfg: DictConfig, path: Path, target: Target) -> Plan:
+    """With data.back_translation: the reverse pair's segments (greedy, one answer each), every key, and a job for
+    each key not yet answered; else an empty plan."""
+    if not cfg.data.back_translation:
+        return Plan([], [], [], Counter())
+    (path / BACK_TRANSLATIONS_DIR).mkdir(exist_ok=True)
+    segments = back_translation.segments(cfg)
+    keys, jobs = _jobs(
+        segments,
+        load_records(path / BACK_TRANSLATIONS_DIR, target.revision),
+        cfg,
+        back_translation.reverse(cfg.lang),
+        target.tokenizer,
+        [0.0],
+        back_translation.shots(cfg.lang),
+    )
+    return Plan(segments, keys, jobs, Counter())
+
+
+def fan_out(cfg: DictConfig) -> tuple[int, int]:
+    """(server replicas, requests in flight)."""
     launch = cfg.distill.server
     # an external endpoint's replicas are the user's to state (data_parallel=N): auto counts this machine's GPUs
     replicas = 1 if launch.url and launch.data_parallel == "auto" else data_parallel_size(launch)
-    concurrency = cfg.distill.concurrency_per_replica * replicas
-    if plan.jobs or reverse_jobs:
-        out = BackgroundJsonl(records_dir / f"attempt-{len(list(records_dir.glob('*.jsonl'))):03d}.jsonl")
-        reverse_out = BackgroundJsonl(reverse_dir / f"attempt-{len(list(reverse_dir.glob('*.jsonl'))):03d}.jsonl")
-        failures = BackgroundJsonl(path / FAILURES_FILE)
-        try:
-            with serve(cfg, folder, path, replicas) as server:
-                endpoint = (
-                    server.endpoint
-                    if server
-                    else Endpoint(
-                        url=cfg.distill.server.url,
-                        # from the environment only: a config is written to disk, wandb and the launch files
-                        api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
-                    )
+    return replicas, cfg.distill.concurrency_per_replica * replicas
+
+
+@dataclass
+class Answered:
+    """What one run asked: the plan as it ended, each pass's stats, and the time it took."""
+
+    plan: Plan
+    stats: RunStats = field(default_factory=RunStats)
+    reverse_stats: RunStats = field(default_factory=RunStats)
+    elapsed: float = 0.0
+
+
+def answer(
+    cfg: DictConfig,
+    path: Path,
+    target: Target,
+    prompts: tuple[list[Example], list[Example]],
+    plan: Plan,
+    reverse: Plan,
+    tracker: Tracker,
+) -> Answered:
+    """Serve the target (or reach the external endpoint) and ask every missing record: the back-translations
+    first, then the training prompts, which the usable back-translations have joined."""
+    answered = Answered(plan)
+    if not (plan.jobs or reverse.jobs):
+        return answered
+    records_dir, reverse_dir = path / RECORDS_DIR, path / BACK_TRANSLATIONS_DIR
+    replicas, concurrency = fan_out(cfg)
+    out = BackgroundJsonl(records_dir / f"attempt-{len(list(records_dir.glob('*.jsonl'))):03d}.jsonl")
+    reverse_out = BackgroundJsonl(reverse_dir / f"attempt-{len(list(reverse_dir.glob('*.jsonl'))):03d}.jsonl")
+    failures = BackgroundJsonl(path / FAILURES_FILE)
+    try:
+        with serve(cfg, target.folder, path, replicas) as server:
+            endpoint = (
+                server.endpoint
+                if server
+                else Endpoint(
+                    url=cfg.distill.server.url,
+                    # from the environment only: a config is written to disk, wandb and the launch files
+                    api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
                 )
-                print(f"distill: {concurrency} requests in flight over {replicas} server replica(s)", flush=True)
+            )
+            print(f"distill: {concurrency} requests in flight over {replicas} server replica(s)", flush=True)
 
-                def run_jobs(jobs: list[Job], out: BackgroundJsonl, total: int, desc: str, metric: str) -> RunStats:
-                    # a client per run: its connections belong to the event loop asyncio.run makes
-                    client = TargetClient(
-                        endpoint,
-                        stop=stop_strings(cfg.target),
-                        stop_token_ids=stop_token_ids(cfg.target, tokenizer),
-                        max_tokens=cfg.distill.max_tokens,
-                        top_p=cfg.eval.top_p,
-                        top_k=cfg.eval.top_k,
-                        top_logprobs=cfg.distill.top_logprobs,
-                        timeout_s=cfg.distill.request_timeout_s,
-                        max_retries=cfg.distill.max_retries,
-                        model=cfg.target.name,
-                        connections=concurrency,
-                    )
-                    with tqdm(total=total, initial=total - len(jobs), desc=desc, unit="rec") as progress:
-                        return asyncio.run(
-                            distill(
-                                jobs,
-                                client,
-                                out,
-                                failures,
-                                cfg,
-                                revision,
-                                server,
-                                concurrency,
-                                progress,
-                                tracker,
-                                metric,
-                            )
+            def run_jobs(jobs: list[Job], out: BackgroundJsonl, total: int, desc: str, metric: str) -> RunStats:
+                # a client per run: its connections belong to the event loop asyncio.run makes
+                client = TargetClient(
+                    endpoint,
+                    stop=stop_strings(cfg.target),
+                    stop_token_ids=stop_token_ids(cfg.target, target.tokenizer),
+                    max_tokens=cfg.distill.max_tokens,
+                    top_p=cfg.eval.top_p,
+                    top_k=cfg.eval.top_k,
+                    top_logprobs=cfg.distill.top_logprobs,
+                    timeout_s=cfg.distill.request_timeout_s,
+                    max_retries=cfg.distill.max_retries,
+                    model=cfg.target.name,
+                    connections=concurrency,
+                )
+                with tqdm(total=total, initial=total - len(jobs), desc=desc, unit="rec") as progress:
+                    return asyncio.run(
+                        distill(
+                            jobs,
+                            client,
+                            out,
+                            failures,
+                            cfg,
+                            target.revision,
+                            server,
+                            concurrency,
+                            progress,
+                            tracker,
+                            metric,
                         )
-
-                started = time.monotonic()
-                if reverse_jobs:
-                    reverse_stats = run_jobs(
-                        reverse_jobs,
-                        reverse_out,
-                        len(reverse_keys),
-                        f"back-translate {reverse_lang.pair}",
-                        "back_translation",
                     )
-                    plan = training_plan(cfg, train, heldout, path, revision, tokenizer)  # with what they added
-                if not reverse_stats.aborted:
-                    stats = run_jobs(plan.jobs, out, len(plan.keys), f"distill {cfg.lang.pair}", "distill")
-                elapsed = time.monotonic() - started
-        finally:  # every answered record onto the disk, also when a signal or an error ends the run
-            for writer in (out, reverse_out, failures):
-                writer.close()
 
-    done = load_records(records_dir)
-    keys, rejected = plan.keys, plan.rejected
-    reverse_done = load_records(reverse_dir) if reverse_keys else {}
+            started = time.monotonic()
+            if reverse.jobs:
+                reverse_pair = back_translation.reverse(cfg.lang).pair
+                answered.reverse_stats = run_jobs(
+                    reverse.jobs, reverse_out, len(reverse.keys), f"back-translate {reverse_pair}", "back_translation"
+                )
+                answered.plan = training_plan(
+                    cfg, *prompts, path, target.revision, target.tokenizer
+                )  # with what they added
+            if not answered.reverse_stats.aborted:
+                answered.stats = run_jobs(
+                    answered.plan.jobs, out, len(answered.plan.keys), f"distill {cfg.lang.pair}", "distill"
+                )
+            answered.elapsed = time.monotonic() - started
+    finally:  # every answered record onto the disk, also when a signal or an error ends the run
+        for writer in (out, reverse_out, failures):
+            writer.close()
+    return answered
+
+
+def summarize(cfg: DictConfig, path: Path, train: list[Example], reverse: Plan, answered: Answered) -> dict:
+    """stats.json: the records on disk, what this run asked, and the server that answered."""
+    done = load_records(path / RECORDS_DIR)
+    stats, reverse_stats = answered.stats, answered.reverse_stats
     new_tokens = stats.completion_tokens + reverse_stats.completion_tokens
-    failed = stats.failures + reverse_stats.failures
+    launch = cfg.distill.server
+    replicas, concurrency = fan_out(cfg)
     summary = {
         "records": len(done),
-        "expected_records": len(keys),
+        "expected_records": len(answered.plan.keys),
         "new_records": stats.records,
         "requests": stats.requests + reverse_stats.requests,
         "completion_tokens": sum(r["completion_tokens"] for r in done.values()),
         "new_completion_tokens": stats.completion_tokens,
-        "tokens_per_s": round(new_tokens / elapsed, 1) if elapsed else None,
-        "generation_time_s": round(elapsed, 1),
-        "failures": dict(failed),
+        "tokens_per_s": round(new_tokens / answered.elapsed, 1) if answered.elapsed else None,
+        "generation_time_s": round(answered.elapsed, 1),
+        "failures": dict(stats.failures + reverse_stats.failures),
         # what answered: the dtype our vLLM serves (an external endpoint's own is unknown here)
         "server": {
             "url": launch.url,
@@ -440,39 +473,82 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
             "requests_in_flight": concurrency,
         },
     }
-    if num_shards > 1:
-        summary["shard"] = {"shard": shard, "num_shards": num_shards, "prompts": len(train)}
-    if reverse_keys:
+    if cfg.distill.num_shards > 1:
+        summary["shard"] = {"shard": cfg.distill.shard, "num_shards": cfg.distill.num_shards, "prompts": len(train)}
+    if reverse.keys:
+        reverse_done = load_records(path / BACK_TRANSLATIONS_DIR)
         summary["back_translation"] = {
-            "segments": len(reverse_keys),
+            "segments": len(reverse.keys),
             "answered": len(reverse_done),
-            "prompts_added": len(plan.examples) - len(train),
-            "rejected": dict(rejected),
+            "prompts_added": len(answered.plan.examples) - len(train),
+            "rejected": dict(answered.plan.rejected),
             "completion_tokens": sum(r["completion_tokens"] for r in reverse_done.values()),
         }
+    return summary
+
+
+def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
+    target = load_target(cfg)
+    train, heldout = shard_prompts(cfg)
+    records_dir = path / RECORDS_DIR
+    records_dir.mkdir(exist_ok=True)
+    if (path / FAILURES_FILE).exists():
+        read_jsonl(path / FAILURES_FILE)  # cut a torn last line before appending
+    # Back-translation first: its usable answers join the training prompts.
+    reverse = back_translation_plan(cfg, path, target)
+    plan = training_plan(cfg, train, heldout, path, target.revision, target.tokenizer)
+    num_shards = cfg.distill.num_shards
+    print(
+        f"distill {cfg.lang.pair}"
+        + (f" shard {cfg.distill.shard} of {num_shards}" if num_shards > 1 else "")
+        + f": {len(train)} prompts"
+        + (
+            f" + back-translations of {len(reverse.keys)} {cfg.lang.tgt_name} segments ({len(reverse.jobs)} to do)"
+            if reverse.keys
+            else ""
+        )
+        + f" x {len(cfg.distill.temperatures)} temperatures x {cfg.distill.samples_per_prompt} samples, "
+        f"{len(plan.keys) - len(plan.jobs)} records already done"
+    )
+
+    answered = answer(cfg, path, target, (train, heldout), plan, reverse, tracker)
+
+    summary = summarize(cfg, path, train, reverse, answered)
     write_atomic(path / STATS_FILE, json.dumps(summary, indent=2) + "\n")
     nested = ("failures", "back_translation", "server", "shard")
     tracker.summary(
         {f"distill/{k}": v for k, v in summary.items() if k not in nested}
         | {f"back_translation/{k}": v for k, v in summary.get("back_translation", {}).items() if k != "rejected"}
     )
+    failed = answered.stats.failures + answered.reverse_stats.failures
+    new_tokens = answered.stats.completion_tokens + answered.reverse_stats.completion_tokens
     print(
-        f"distill {cfg.lang.pair}: {len(done)}/{len(keys)} records ({stats.records} new, "
-        f"{new_tokens} tokens at {summary['tokens_per_s'] or 0:.0f} tok/s), "
+        f"distill {cfg.lang.pair}: {summary['records']}/{summary['expected_records']} records "
+        f"({answered.stats.records} new, {new_tokens} tokens at {summary['tokens_per_s'] or 0:.0f} tok/s), "
         f"{sum(failed.values())} failed requests -> {records_dir}"
     )
-    if reverse_keys:
+    reverse_answered = 0
+    if reverse.keys:
         bt = summary["back_translation"]
+        reverse_answered = bt["answered"]
         print(
             f"back-translation: {bt['prompts_added']} {cfg.lang.src_name} prompts from {bt['answered']}/"
-            f"{bt['segments']} answered segments (rejected: {dict(rejected) or 'none'}) -> {reverse_dir}"
+            f"{bt['segments']} answered segments (rejected: {bt['rejected'] or 'none'}) -> "
+            f"{path / BACK_TRANSLATIONS_DIR}"
         )
 
-    missing = len(keys) - len(done) + len(reverse_keys) - len(reverse_done)
-    check_complete(cfg, path, failed, missing, len(keys) + len(reverse_keys), stats.aborted or reverse_stats.aborted)
+    missing = summary["expected_records"] - summary["records"] + len(reverse.keys) - reverse_answered
+    check_complete(
+        cfg,
+        path,
+        failed,
+        missing,
+        summary["expected_records"] + len(reverse.keys),
+        answered.stats.aborted or answered.reverse_stats.aborted,
+    )
     return {
-        "records": len(done),
+        "records": summary["records"],
         "completion_tokens": summary["completion_tokens"],
-        "failed_requests": len(keys) - len(done),
+        "failed_requests": summary["expected_records"] - summary["records"],
         "served_dtype": summary["server"]["dtype"],
     }
