@@ -5,11 +5,15 @@ run directories and processes some tests set up or read."""
 from __future__ import annotations
 
 import math
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
+from pipeline.config import REPO_ROOT
 from pipeline.models.drafter import save_drafter
 from pipeline.models.vocab import VocabMap
 from pipeline.rundir import stage_dir
@@ -167,3 +171,18 @@ def command_lines() -> list[bytes]:
         except OSError:  # the process ended meanwhile
             continue
     return lines
+
+
+def start_stage(stage: str, args: list[str], output) -> subprocess.Popen:
+    """``python -m pipeline STAGE``, as make and Slurm run it: in a process group of its own (for killpg), SIGINT
+    at its default, as a terminal's shell leaves it (a shell without job control, CI's, starts background jobs
+    with SIGINT ignored, and children inherit that)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline", stage, *args],
+        cwd=REPO_ROOT,
+        stdout=output,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )

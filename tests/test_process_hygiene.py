@@ -9,7 +9,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
@@ -17,13 +16,14 @@ import psutil
 import pytest
 
 from pipeline.cli import main as cli
-from pipeline.config import REPO_ROOT, compose_config
+from pipeline.config import compose_config
 from pipeline.rundir import MARKER, stage_dir
 from pipeline.stages import distill, export, finetune, pretrain
 from pipeline.stages import eval as eval_stage
 from pipeline.training.launch import LAUNCH_CONFIG, read_metrics
 from pipeline.training.loop import CHECKPOINTS
 from pipeline.workers import EXIT_PREEMPTED
+from tests.helpers import start_stage
 
 TWO_PROCESSES = ["train.pretrain.launch=ddp-cpu", "train.pretrain.num_processes=2"]
 
@@ -41,17 +41,6 @@ def overrides(runs_dir, *extra) -> list[str]:
 def losses(stage_path) -> list[float]:
     metrics = read_metrics(stage_path)
     return [metrics[step]["loss"] for step in sorted(metrics)]
-
-
-def start_stage(stage: str, args: list[str], log) -> subprocess.Popen:
-    """``python -m pipeline STAGE``, as make and Slurm run it, in a process group of its own (for killpg)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "pipeline", stage, *args],
-        cwd=REPO_ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
 
 
 def wait_for(condition, child: subprocess.Popen, what: str, timeout: float = 240) -> None:

@@ -26,6 +26,7 @@ from pipeline.training.data import Collator, TokenStrings, finetune_examples, re
 from pipeline.training.launch import read_metrics
 from pipeline.training.loop import latest_checkpoint
 from pipeline.workers import EXIT_PREEMPTED
+from tests.helpers import start_stage
 
 pytestmark = pytest.mark.slow
 
@@ -62,11 +63,45 @@ def losses(stage_path) -> list[float]:
     return [metrics[step]["loss"] for step in sorted(metrics)]
 
 
+def run_stage(stage: str, args: list[str]) -> None:
+    """The stage to its end as its own process (``python -m pipeline``), as make and Slurm run it."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline", stage, *args], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def signal_after(child, path, steps: int, signum: int = signal.SIGTERM) -> int:
+    """Signal the stage (SIGTERM: as Slurm preempts) once ``steps`` steps are logged; returns its exit code."""
+    deadline = time.time() + 180
+    while len(read_metrics(path)) < steps and child.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    child.send_signal(signum)
+    return child.wait(timeout=180)
+
+
+def preempt_stage(stage: str, args: list[str], tmp_path, steps: int, stops_before: int) -> tuple:
+    """Start a training stage as a user would, SIGTERM it after ``steps`` logged steps, check it stopped
+    unfinished before step ``stops_before``; (stage path, step it stopped at, log)."""
+    path = stage_dir(compose_config(args), stage).path
+    with (tmp_path / "stage.log").open("w+") as output:
+        code = signal_after(start_stage(stage, args, output), path, steps=steps)
+        output.seek(0)
+        log = output.read()
+    assert code == EXIT_PREEMPTED, log
+    assert not (path / MARKER).exists() and not (path / "drafter").exists()
+    stopped_at = max(read_metrics(path))
+    assert steps <= stopped_at < stops_before, log
+    return path, stopped_at, log
+
+
 @pytest.fixture(scope="session")
 def pretrained(tmp_path_factory, smollm_path):
-    """One uninterrupted 1-process ci pretrain, logging every step."""
+    """One uninterrupted 1-process ci pretrain, logging every step. A process of its own, as every run it is
+    compared with exactly: nothing an earlier test left in pytest's process (threads, allocator, libraries
+    loaded) takes part in the comparison."""
     runs_dir = tmp_path_factory.mktemp("pretrained")
-    assert cli(["pretrain", *overrides(runs_dir, *PRETRAIN)]) == 0
+    run_stage("pretrain", overrides(runs_dir, *PRETRAIN))
     return runs_dir
 
 
@@ -137,19 +172,12 @@ def test_pretrain_writes_a_drafter_and_its_loss_falls(pretrained):
 
 
 def test_preempted_pretrain_exits_incomplete_and_resumes_to_the_same_losses(pretrained, tmp_path):
+    """Preempted, then run again (resume=auto) in a new process, as Slurm requeues a job."""
     args = overrides(tmp_path, *PRETRAIN)
-    path = stage_dir(compose_config(args), "pretrain").path
-    child = subprocess.Popen([sys.executable, "-m", "pipeline", "pretrain", *args], cwd=REPO_ROOT)
-    deadline = time.time() + 120
-    while len(read_metrics(path)) < 3 and child.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    child.send_signal(signal.SIGTERM)  # as Slurm preempts
-    assert child.wait(timeout=120) == EXIT_PREEMPTED
-    assert not (path / MARKER).exists() and not (path / "drafter").exists()
-    stopped_at = max(read_metrics(path))
-    assert 3 <= stopped_at < 20 and (path / "checkpoints" / f"step-{stopped_at:08d}").exists()
+    path, stopped_at, _ = preempt_stage("pretrain", args, tmp_path, steps=3, stops_before=20)
+    assert (path / "checkpoints" / f"step-{stopped_at:08d}").exists()
 
-    assert cli(["pretrain", *args]) == 0  # resume=auto
+    run_stage("pretrain", args)
     assert (path / MARKER).exists()
     reference = stage_dir(compose_config(overrides(pretrained)), "pretrain").path
     assert losses(path) == losses(reference)  # exactly: same weights, optimizer, schedule, data position
@@ -166,44 +194,6 @@ def test_two_process_accelerate_launch_matches_one_process(pretrained, two_proce
     two = AutoModelForCausalLM.from_pretrained(path / "drafter").state_dict()
     one = AutoModelForCausalLM.from_pretrained(reference / "drafter").state_dict()
     assert all(torch.allclose(two[name], one[name], atol=1e-4) for name in one)
-
-
-def start_stage(stage: str, args: list[str], output):
-    """The stage as its own process (``python -m pipeline``), as make and Slurm run it. SIGINT at its
-    default, as a terminal's shell leaves it: a shell without job control (CI's) starts background jobs
-    with SIGINT ignored, and children inherit that."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "pipeline", stage, *args],
-        cwd=REPO_ROOT,
-        stdout=output,
-        stderr=subprocess.STDOUT,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-
-
-def signal_after(child, path, steps: int, signum: int = signal.SIGTERM) -> int:
-    """Signal the stage (SIGTERM: as Slurm preempts) once ``steps`` steps are logged; returns its exit code."""
-    deadline = time.time() + 180
-    while len(read_metrics(path)) < steps and child.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    child.send_signal(signum)
-    return child.wait(timeout=180)
-
-
-def preempt_stage(stage: str, args: list[str], tmp_path, steps: int, stops_before: int) -> tuple:
-    """Start a training stage as a user would, SIGTERM it after ``steps`` logged steps, check it stopped
-    unfinished before step ``stops_before``; (stage path, step it stopped at, log)."""
-    path = stage_dir(compose_config(args), stage).path
-    with (tmp_path / "stage.log").open("w+") as output:
-        code = signal_after(start_stage(stage, args, output), path, steps=steps)
-        output.seek(0)
-        log = output.read()
-    assert code == EXIT_PREEMPTED, log
-    assert not (path / MARKER).exists() and not (path / "drafter").exists()
-    stopped_at = max(read_metrics(path))
-    assert steps <= stopped_at < stops_before, log
-    return path, stopped_at, log
 
 
 def test_preempted_two_process_pretrain_stops_both_ranks_at_one_step_and_resumes_exactly(two_processes, tmp_path):
