@@ -186,3 +186,12 @@ def start_stage(stage: str, args: list[str], output) -> subprocess.Popen:
         start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+
+
+def run_stage(stage: str, args: list[str]) -> None:
+    """The stage to its end as its own process (``python -m pipeline``), as make and Slurm run it. Runs compared
+    bit for bit are each started this way: nothing an earlier test left in pytest's process takes part."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline", stage, *args], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -15,7 +15,6 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from pipeline.cli import main as cli
 from pipeline.config import compose_config
 from pipeline.rundir import MARKER, stage_dir
 from pipeline.stages import distill, export, finetune, pretrain
@@ -23,7 +22,7 @@ from pipeline.stages import eval as eval_stage
 from pipeline.training.launch import LAUNCH_CONFIG, read_metrics
 from pipeline.training.loop import CHECKPOINTS
 from pipeline.workers import EXIT_PREEMPTED
-from tests.helpers import start_stage
+from tests.helpers import run_stage, start_stage
 
 TWO_PROCESSES = ["train.pretrain.launch=ddp-cpu", "train.pretrain.num_processes=2"]
 
@@ -158,7 +157,7 @@ def test_kill_9_during_checkpointing_resumes_to_the_uninterrupted_losses(tmp_pat
     step, so most kills land in or near one); each rerun resumes, and the losses equal an uninterrupted run's."""
     every_step = ["train.pretrain.save_every=1", "train.pretrain.max_steps=8"]
     reference_args = overrides(tmp_path / "reference", *every_step)
-    assert cli(["pretrain", *reference_args]) == 0
+    run_stage("pretrain", reference_args)
     reference = losses(stage_dir(compose_config(reference_args), "pretrain").path)
 
     args = overrides(tmp_path / "killed", *every_step)
@@ -175,5 +174,5 @@ def test_kill_9_during_checkpointing_resumes_to_the_uninterrupted_losses(tmp_pat
             stage.wait()
         assert not (path / MARKER).exists(), f"seed {seed}: the run finished before kill {kill}"
 
-    assert cli(["pretrain", *args]) == 0
+    run_stage("pretrain", args)
     assert losses(path) == reference, f"seed {seed}, delays {delays}"  # exactly: every step as if never killed

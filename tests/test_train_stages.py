@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
@@ -16,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from pipeline.cli import main as cli
-from pipeline.config import REPO_ROOT, compose_config
+from pipeline.config import compose_config
 from pipeline.models.drafter import build_drafter
 from pipeline.models.provision import load_model, load_tokenizer
 from pipeline.models.vocab import VocabMap
@@ -26,7 +24,7 @@ from pipeline.training.data import Collator, TokenStrings, finetune_examples, re
 from pipeline.training.launch import read_metrics
 from pipeline.training.loop import latest_checkpoint
 from pipeline.workers import EXIT_PREEMPTED
-from tests.helpers import start_stage
+from tests.helpers import run_stage, start_stage
 
 pytestmark = pytest.mark.slow
 
@@ -63,14 +61,6 @@ def losses(stage_path) -> list[float]:
     return [metrics[step]["loss"] for step in sorted(metrics)]
 
 
-def run_stage(stage: str, args: list[str]) -> None:
-    """The stage to its end as its own process (``python -m pipeline``), as make and Slurm run it."""
-    done = subprocess.run(
-        [sys.executable, "-m", "pipeline", stage, *args], cwd=REPO_ROOT, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-
 def signal_after(child, path, steps: int, signum: int = signal.SIGTERM) -> int:
     """Signal the stage (SIGTERM: as Slurm preempts) once ``steps`` steps are logged; returns its exit code."""
     deadline = time.time() + 180
@@ -97,9 +87,7 @@ def preempt_stage(stage: str, args: list[str], tmp_path, steps: int, stops_befor
 
 @pytest.fixture(scope="session")
 def pretrained(tmp_path_factory, smollm_path):
-    """One uninterrupted 1-process ci pretrain, logging every step. A process of its own, as every run it is
-    compared with exactly: nothing an earlier test left in pytest's process (threads, allocator, libraries
-    loaded) takes part in the comparison."""
+    """One uninterrupted 1-process ci pretrain, logging every step, in a process of its own (run_stage)."""
     runs_dir = tmp_path_factory.mktemp("pretrained")
     run_stage("pretrain", overrides(runs_dir, *PRETRAIN))
     return runs_dir
@@ -344,7 +332,7 @@ def test_parallel_draft_finetune_logs_each_offset_and_resumes_to_the_uninterrupt
     vocabulary unchanged), each offset's loss is logged, and a run preempted mid-way resumes to the same losses
     and the same drafter as the uninterrupted one."""
     reference_args = overrides(distilled, "run=parallel", *PARALLEL)
-    assert cli(["finetune", *reference_args]) == 0
+    run_stage("finetune", reference_args)
     reference = stage_dir(compose_config(reference_args), "finetune").path
     metrics = read_metrics(reference)
     assert len(metrics) == 20 and all(f"loss_offset_{j}" in m for m in metrics.values() for j in (1, 2, 3, 4))
@@ -354,7 +342,7 @@ def test_parallel_draft_finetune_logs_each_offset_and_resumes_to_the_uninterrupt
 
     args = overrides(distilled, "run=parallel-preempted", *PARALLEL)
     path, _, _ = preempt_stage("finetune", args, tmp_path, steps=4, stops_before=20)
-    assert cli(["finetune", *args]) == 0
+    run_stage("finetune", args)
     keys = ("loss", "loss_offset_1", "loss_offset_2", "loss_offset_3", "loss_offset_4")
     assert {step: [m[key] for key in keys] for step, m in read_metrics(path).items()} == {
         step: [m[key] for key in keys] for step, m in metrics.items()
@@ -516,7 +504,7 @@ def test_finetune_with_on_policy_alignment_after_sft(distilled):
     rollouts scored by the SmolLM2 target, each checkpointed and logged with the held-out estimate."""
     # run=on-policy: the session's plain finetune of the same prompts lives beside it
     args = overrides(distilled, "run=on-policy", *ON_POLICY)
-    assert cli(["finetune", *args]) == 0
+    run_stage("finetune", args)  # the uninterrupted run the preempted one is compared with, below
     path = stage_dir(compose_config(args), "finetune").path
     counts = json.loads((path / "manifest.json").read_text())["counts"]
     assert counts["records"] == 12 and counts["steps"] == 20  # 2 of the 8 prompts held out of both phases
@@ -536,10 +524,10 @@ def test_finetune_preempted_in_the_on_policy_phase_resumes_to_the_uninterrupted_
     """SIGTERM (as Slurm preempts) inside the phase, after SFT's 20 steps; the stage run again continues from
     the phase's checkpoint to the same losses and the same drafter as a run never stopped."""
     reference_args = overrides(distilled, "run=on-policy", *ON_POLICY)
-    assert cli(["finetune", *reference_args]) == 0  # uninterrupted (made already if the test above ran)
+    run_stage("finetune", reference_args)  # uninterrupted (made already if the test above ran)
     args = overrides(distilled, "run=on-policy-preempted", *ON_POLICY)
     path, _, _ = preempt_stage("finetune", args, tmp_path, steps=22, stops_before=26)
-    assert cli(["finetune", *args]) == 0
+    run_stage("finetune", args)
     reference = stage_dir(compose_config(reference_args), "finetune").path
     assert read_metrics(path).keys() == read_metrics(reference).keys()
     for step, metrics in read_metrics(reference).items():
