@@ -247,6 +247,63 @@ def preemption_vote(world: int) -> Callable[[list], bool]:
     return preempted
 
 
+def micro_batches(
+    examples: list,
+    collate: Callable,
+    batch_size: int,
+    local_batch: int,
+    steps_per_epoch: int,
+    seed: int,
+    accelerator: Accelerator,
+    start_step: int,
+):
+    """This process's micro-batches from ``start_step`` on, epoch after epoch: each epoch a permutation seeded by
+    (seed, epoch), each step's ``batch_size`` examples split over the processes."""
+    world, pinned = accelerator.num_processes, accelerator.device.type == "cuda"
+    epoch, skip = divmod(start_step, steps_per_epoch)
+    while True:
+        order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch))
+        order = order[skip * batch_size : steps_per_epoch * batch_size].view(-1, world, local_batch)
+        mine = order[:, accelerator.process_index].flatten().tolist()
+        yield from DataLoader(examples, batch_size=local_batch, sampler=mine, collate_fn=collate, pin_memory=pinned)
+        epoch, skip = epoch + 1, 0
+
+
+class LogWindow:
+    """What a log line reports since the previous one: the loss sum, labels and inputs, then (loss sum, labels) of
+    each of the objective's parts. On the device until read: a read waits for it and reduces over the processes."""
+
+    def __init__(self, parts: tuple[str, ...], accelerator: Accelerator):
+        self.parts, self.accelerator = parts, accelerator
+        self.sums = torch.zeros(3 + 2 * len(parts), dtype=torch.float64, device=accelerator.device)
+        self.started = time.time()
+
+    def add(self, loss_total: torch.Tensor, label_tokens: torch.Tensor, inputs: torch.Tensor, by_part) -> None:
+        self.sums += torch.cat(
+            [
+                torch.stack([loss_total.detach().double(), label_tokens.double(), inputs.double()]),
+                *(part.detach().double().flatten() for part in by_part),
+            ]
+        )
+
+    def read(self, lr: float, tokens_seen: int) -> dict:
+        """The log line's metrics (the token-weighted mean loss, each part's, throughput); starts a new window."""
+        loss, labelled, inputs, *part_sums = self.accelerator.reduce(self.sums, "sum").tolist()
+        self.sums.zero_()
+        now = time.time()
+        metrics = {
+            "loss": loss / max(labelled, 1),
+            "lr": lr,
+            "tokens_seen": tokens_seen,
+            "tokens_per_s": int(inputs) / max(now - self.started, 1e-9),
+        }
+        metrics |= {
+            f"loss_{name}": part_sums[2 * i] / max(part_sums[2 * i + 1], 1) for i, name in enumerate(self.parts)
+        }
+        self.started = now
+        return metrics
+
+
 def train(
     tc: DictConfig,
     model: torch.nn.Module,
@@ -281,27 +338,13 @@ def train(
     step, tokens_before, last_loss = resume(tc, accelerator, scheduler, out_dir, writer, total_steps)
 
     pinned = accelerator.device.type == "cuda"
-
-    def batches(start_step: int):
-        """This process's micro-batches from ``start_step`` on, epoch after epoch."""
-        epoch, skip = divmod(start_step, steps_per_epoch)
-        while True:
-            order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch))
-            order = order[skip * tc.batch_size : steps_per_epoch * tc.batch_size].view(-1, world, local_batch)
-            mine = order[:, accelerator.process_index].flatten().tolist()
-            yield from DataLoader(examples, batch_size=local_batch, sampler=mine, collate_fn=collate, pin_memory=pinned)
-            epoch, skip = epoch + 1, 0
-
     preempted = preemption_vote(world)
     model.train()
-    # since the last log: loss sum, labels, inputs, then (loss sum, labels) of each of the objective's parts
-    parts = getattr(objective, "part_names", ())
-    window = torch.zeros(3 + 2 * len(parts), dtype=torch.float64, device=accelerator.device)
+    window = LogWindow(getattr(objective, "part_names", ()), accelerator)
     local_inputs = torch.zeros((), dtype=torch.float64, device=accelerator.device)  # this process, this run
     started = time.time()
-    window_start, window_tokens = time.time(), 0
     bar = tqdm(total=total_steps, initial=step, desc="training", unit="step", disable=not accelerator.is_main_process)
-    data = batches(step)
+    data = micro_batches(examples, collate, tc.batch_size, local_batch, steps_per_epoch, seed, accelerator, step)
     with preemption_signals() as received:
         while step < total_steps:
             grad_norm = None
@@ -320,12 +363,7 @@ def train(
                         grad_norm = accelerator.clip_grad_norm_(model.parameters(), tc.grad_clip)
                     optimizer.step()  # a no-op until the last micro-batch (accelerate's accumulate)
                     optimizer.zero_grad(set_to_none=True)
-                window += torch.cat(
-                    [
-                        torch.stack([loss_total.detach().double(), label_tokens.double(), inputs.double()]),
-                        *(part.detach().double().flatten() for part in by_part),
-                    ]
-                )
+                window.add(loss_total, label_tokens, inputs, by_part)
                 local_inputs += inputs
             scheduler.step()
             step += 1
@@ -336,25 +374,12 @@ def train(
             if checkpoint_now or step % tc.log_every == 0:
                 tokens_seen = tokens_before + int(accelerator.reduce(local_inputs, "sum").item())
             if step % tc.log_every == 0 or checkpoint_now:
-                loss_window, labelled, inputs, *part_sums = accelerator.reduce(window, "sum").tolist()
-                window.zero_()
-                window_tokens += int(inputs)
-                now = time.time()
-                last_loss = loss_window / max(labelled, 1)
-                metrics = {
-                    "loss": last_loss,
-                    "lr": scheduler.get_last_lr()[0],
-                    "tokens_seen": tokens_seen,
-                    "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
-                }
-                metrics |= {
-                    f"loss_{name}": part_sums[2 * i] / max(part_sums[2 * i + 1], 1) for i, name in enumerate(parts)
-                }
+                metrics = window.read(scheduler.get_last_lr()[0], tokens_seen)
+                last_loss = metrics["loss"]
                 if grad_norm is not None:
                     metrics["grad_norm"] = float(grad_norm)
                 if evaluate is not None and checkpoint_now:
                     metrics |= evaluate(accelerator.unwrap_model(model))
-                window_start, window_tokens = now, 0
                 bar.set_postfix(loss=f"{last_loss:.3f}")
                 if accelerator.is_main_process:
                     log(metrics, step)
