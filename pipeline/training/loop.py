@@ -9,7 +9,8 @@ Data order is a permutation of the examples seeded by (seed, epoch); a checkpoin
 ``save_state``: model, optimizer, scheduler, RNG states; plus the step, which fixes the data position)
 is written every ``save_every`` steps and on SIGTERM/SIGUSR1, after which the process exits with
 ``EXIT_PREEMPTED`` and the stage stays incomplete. ``resume=auto`` continues from the latest
-checkpoint and reproduces the uninterrupted run's losses exactly.
+checkpoint and reproduces the uninterrupted run's losses exactly where the arithmetic is reproducible (on the
+CPU: Intel MKL with ``MKL_CBWR=COMPATIBLE``, or one thread; docs/design.md, Tests).
 
 A step never waits for the device on the host: batches are copied from pinned memory without blocking,
 the positions the LM head runs at come from the collator, the processes agree on a preemption over a
