@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.cli import main as cli
 from pipeline.config import compose_config
@@ -585,3 +585,74 @@ def test_scaling_finetunes_nested_fractions_and_fits_acceptance_against_data(dis
     assert cli(["scaling", *args]) == 0  # complete: prints the table, trains and measures nothing
     printed = capsys.readouterr().out
     assert "complete for this config; skipping" in printed and "\npf: tau T0 " in printed
+
+
+HEAD = [
+    "drafter=eagle3-ci",
+    "train.pretrain.max_steps=6",
+    "train.pretrain.log_every=1",
+    "train.finetune.max_steps=6",
+    "train.finetune.log_every=1",
+]
+
+
+@pytest.fixture(scope="session")
+def head_pretrained(distilled):
+    """An EAGLE-3 head of the ci target pretrained beside the distilled records (its own process, run_stage)."""
+    run_stage("pretrain", overrides(distilled, *HEAD))
+    return distilled
+
+
+def test_head_pretrain_learns_and_a_preempted_one_resumes_to_the_same_losses(head_pretrained, tmp_path):
+    reference = stage_dir(compose_config(overrides(head_pretrained, *HEAD)), "pretrain").path
+    curve = losses(reference)
+    assert len(curve) == 6 and curve[-1] < curve[0], curve
+    head = AutoModelForCausalLM.from_pretrained(reference / "drafter")
+    assert head.config.aux_layer_ids == [2, 15, 27] and head.config.draft_vocab_size == 2048  # 30 layers: vLLM's
+    assert len(VocabMap.load(reference / "drafter").target_ids) == 2048
+    args = overrides(tmp_path, *HEAD)
+    path, _, _ = preempt_stage("pretrain", args, tmp_path, steps=2, stops_before=6)
+    run_stage("pretrain", args)
+    assert losses(path) == losses(reference)  # exactly: the same head, optimizer, schedule, data and target states
+
+
+@pytest.fixture(scope="session")
+def head_finetuned(head_pretrained):
+    """The head finetuned (P-F) on the pair's records, then measured by the eval stage on our engine: its args."""
+    args = overrides(head_pretrained, *HEAD)
+    assert cli(["finetune", *args]) == 0
+    assert cli(["eval", *args, "eval.methods=[target,speculative,hybrid]"]) == 0
+    return args
+
+
+def eval_metrics(args: list[str]) -> dict:
+    """The eval stage's metrics.json (eval/, or eval-vllm/ with eval.engine=vllm)."""
+    return json.loads((stage_dir(compose_config(args), "eval").path / "metrics.json").read_text())
+
+
+def test_head_finetunes_on_the_pair_and_the_eval_drafts_with_it_losslessly(head_finetuned):
+    assert len(losses(stage_dir(compose_config(head_finetuned), "finetune").path)) == 6
+    metrics = eval_metrics(head_finetuned)
+    lossless = metrics["lossless"]
+    assert lossless["exact"] == lossless["outputs_checked"] == 3 * 2 and not lossless["mismatches"], lossless
+    for temperature in ("T=0.0", "T=1.0"):
+        head = metrics["results"]["de-en"][temperature]["seeds"]["0"]["speculative"]
+        assert head["tau"] >= 1 and len(head["acceptance_per_position"]) == 4, head
+
+
+def test_vllm_serves_the_exported_head_with_the_targets_own_greedy_outputs(head_finetuned):
+    """The export in vLLM's EAGLE-3 format, served by vLLM's eagle3 method beside the ci target (SmolLM2, a Llama):
+    its greedy outputs are the target server's, and it accepts the drafts our engine accepts (same layers)."""
+    assert cli(["export", *head_finetuned]) == 0
+    folder = stage_dir(compose_config(head_finetuned), "export").path / "drafter"
+    vocab = VocabMap.load(stage_dir(compose_config(head_finetuned), "finetune").path / "drafter")
+    assert AutoConfig.from_pretrained(folder).eagle_aux_hidden_state_layer_ids == [2, 15, 27]
+    assert torch.equal(load_file(folder / "model.safetensors")["d2t"] + torch.arange(2048), vocab.target_ids)
+    assert '"method": "eagle3"' in (folder / "README.md").read_text()
+    served = [*head_finetuned, "eval.engine=vllm", f"eval.drafter_path={folder}", "eval.temperatures=[0]"]
+    assert cli(["eval", *served, "distill.server.dtype=float32"]) == 0
+    metrics = eval_metrics([*served, "distill.server.dtype=float32"])
+    assert metrics["lossless"]["exact"] == metrics["lossless"]["outputs_checked"] == 3, metrics["lossless"]
+    vllm = metrics["results"]["de-en"]["T=0.0"]["seeds"]["0"]["vllm_speculative"]
+    ours = eval_metrics(head_finetuned)["results"]["de-en"]["T=0.0"]["seeds"]["0"]["speculative"]
+    assert vllm["draft_tokens"] > 0 and abs(vllm["alpha"] - ours["alpha"]) < 0.1, (vllm, ours)

@@ -12,6 +12,7 @@ from pipeline.config.compose import DEFAULT_RECIPE, compose_config, last_of_each
 from pipeline.config.folders import CONF_DIR, RECIPES_DIR, REPO_ROOT, USER_CONFIG_ENV, option_file, options
 from pipeline.config.schemas import (
     DEVICE_SPEC,
+    EAGLE3,
     EVAL_METHODS,
     Config,
     ConfigError,
@@ -33,6 +34,7 @@ __all__ = [
     "CONF_DIR",
     "DEFAULT_RECIPE",
     "DEVICE_SPEC",
+    "EAGLE3",
     "EVAL_METHODS",
     "RECIPES_DIR",
     "REPO_ROOT",

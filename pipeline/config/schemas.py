@@ -143,13 +143,35 @@ class TargetConfig:
         return [f"{key}.source=init is only for drafters"] if section.source == ModelSource.init else []
 
 
+EAGLE3 = "eagle3"
+
+
+def eagle3_problems(d: DictConfig, key: str) -> list[str]:
+    """What an eagle3 head's drafter section cannot be: it is built (source=init) at the target's width, one layer."""
+    problems = []
+    if d.source != ModelSource.init or d.init_from:
+        problems.append(
+            f"{key}.architecture=eagle3 is trained here from the target: set {key}.source=init, no init_from"
+        )
+    if d.hidden_size is not None:
+        problems.append(f"{key}.hidden_size must be null for eagle3: a head has the target's width")
+    if d.num_layers != 1:
+        problems.append(f"{key}.num_layers must be 1 for eagle3 (one decoder layer, as vLLM serves it)")
+    if d.loss is None:
+        problems.append(f"{key}.loss is needed for eagle3: kd_forward_kl, kd_total_variation or ce")
+    if d.ttt_steps < 1:
+        problems.append(f"{key}.ttt_steps must be >= 1")
+    return problems
+
+
 @dataclass
 class DrafterConfig:
     name: str = MISSING  # short id, used in run-directory paths
     source: ModelSource = ModelSource.init
     path: str | None = None  # for hub/local drafters
-    architecture: str = "llama"  # transformers model_type used when source=init
-    hidden_size: int = 256  # source=init: width
+    # transformers model_type used when source=init; eagle3: an EAGLE-3 head reading the target's hidden states
+    architecture: str = "llama"
+    hidden_size: int | None = 256  # source=init: width (eagle3: None, the target's width)
     num_layers: int = 2  # source=init: transformer layers
     num_heads: int = 4  # source=init: attention heads
     num_kv_heads: int | None = None  # source=init: key/value heads (None: num_heads)
@@ -165,11 +187,26 @@ class DrafterConfig:
     embeddings_from_target: bool = False
     # source=init: start this shape from these weights (hub id or folder; paper-vicuna: double7/vicuna-68m), not random
     init_from: str | None = None
+    # eagle3: the target layers it reads, in vLLM's convention (id i: the input of decoder layer i; None: vLLM's
+    # default 2, N // 2, N - 3 of an N-layer target)
+    aux_layer_ids: list[int] | None = None
+    ttt_steps: int = 3  # eagle3: draft steps trained from the head's own outputs (training-time test)
+    # eagle3: its loss against the target's distribution over the draft vocabulary, in pretrain and finetune (the
+    # standalone drafters' train.*.loss does not apply): forward KL, total variation, or ce on the sampled tokens
+    loss: Loss | None = None
 
     @staticmethod
     def check(section: DictConfig, key: str) -> list[str]:
         d, problems = section, []
-        if d.source == ModelSource.init and d.hidden_size % d.num_heads:
+        if d.architecture == EAGLE3:
+            return eagle3_problems(d, key)
+        if d.loss is not None or d.aux_layer_ids is not None:
+            problems.append(
+                f"{key}.loss and {key}.aux_layer_ids are an eagle3 head's: unset them or set {key}.architecture=eagle3"
+            )
+        if d.source == ModelSource.init and d.hidden_size is None:
+            problems.append(f"{key}.hidden_size is needed to build a {d.architecture} drafter (source=init)")
+        elif d.source == ModelSource.init and d.hidden_size % d.num_heads:
             problems.append(f"{key}.hidden_size {d.hidden_size} is not divisible by {key}.num_heads {d.num_heads}")
         if d.num_kv_heads is not None and d.num_heads % d.num_kv_heads:
             problems.append(f"{key}.num_heads {d.num_heads} is not divisible by {key}.num_kv_heads {d.num_kv_heads}")

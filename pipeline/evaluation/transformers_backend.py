@@ -10,7 +10,7 @@ max_new_tokens, stop strings and seeds, interleaved prompt by prompt so machine 
 - ``pld``: prompt-lookup decoding, n-gram drafts from the context, no model (the paper's PLD row)
 - ``hybrid``: prompt lookup in rounds where the context has a match, the drafter in the others
 - ``hf`` / ``hf_assisted``: transformers' generate, plain and with the drafter as assistant_model (K
-  drafts per round, constant schedule, no confidence cut); assisted needs a full-vocabulary drafter
+  drafts per round, constant schedule, no confidence cut); assisted needs a full-vocabulary causal LM
 - ``router`` (with ``eval.router_langs``): on a ``mixed`` set of those pairs' held-out prompts, each
   prompt drafted by the finetuned drafter of its detected source language (pipeline/speculative/router.py),
   against ``speculative`` with the one drafter for all
@@ -133,14 +133,14 @@ class Decoders:
         self.drafter_model = drafter_model.to(target_model.dtype).eval()
         self.target = CachedModel(target_model)
         confidence = cfg.eval.draft_confidence
-        self.drafter = model_drafter(self.drafter_model, vocab_map, confidence)
+        self.drafter = model_drafter(self.drafter_model, vocab_map, confidence, self.target)
         self.pld = PromptLookupDrafter(target_model.config.vocab_size)
         self.hybrid = LookupThenModelDrafter(self.pld, self.drafter)
         self.stop = stop_condition(cfg.target, tokenizer, target_model)
-        self.hf_assisted = vocab_map is None  # transformers' assistant must share the target's vocabulary
+        self.hf_assisted = vocab_map is None and getattr(self.drafter, "target_features", None) is None
         self.router = LanguageRouter(
             {
-                src: model_drafter(model.to(target_model.dtype).eval(), vocab, confidence)
+                src: model_drafter(model.to(target_model.dtype).eval(), vocab, confidence, self.target)
                 for src, (model, vocab) in router_drafters.items()
             },
             self.drafter,

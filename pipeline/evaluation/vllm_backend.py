@@ -58,12 +58,16 @@ from pipeline.evaluation.heldout import eval_pairs, heldout_prompts
 from pipeline.evaluation.results import SUMMARY_KEYS, environment, summarize, write_results
 from pipeline.jsonl import write_jsonl
 from pipeline.models.drafter import check_drafter
+from pipeline.models.eagle3 import MODEL_TYPE as HEAD_MODEL_TYPE
 from pipeline.models.export import (
     EXPORT_FOLDER,
     SINGLE_KV_GROUP,
     VLLM_DIR,
     draft_model_spec,
+    eagle3_problem,
+    eagle3_spec,
     exported_vocab,
+    is_head_export,
     sliding_window_target,
     vllm_mapping_problem,
 )
@@ -97,6 +101,16 @@ def check(cfg: DictConfig, directory, target_path: str, drafter_path: str) -> di
     if not Path(drafter_path).is_dir():
         raise FileNotFoundError(f"drafter folder {drafter_path} does not exist; set eval.drafter_path to an HF folder")
     k = cfg.eval.num_draft_tokens
+    if is_head_export(drafter_path):  # an exported EAGLE-3 head: vLLM's own method
+        check_tokenizers(AutoTokenizer.from_pretrained(drafter_path), load_tokenizer(target_path), "the exported head")
+        if (problem := eagle3_problem(target_path)) is not None:
+            raise ConfigError(f"eval.engine=vllm cannot serve the EAGLE-3 head {drafter_path}: {problem}")
+        return eagle3_spec(drafter_path, k)
+    if AutoConfig.from_pretrained(drafter_path).model_type == HEAD_MODEL_TYPE:
+        raise ConfigError(
+            f"eval.engine=vllm serves an EAGLE-3 head in vLLM's format, which {drafter_path} is not: run "
+            f"`{make_command(cfg, 'export')}` and point eval.drafter_path at its folder (<run>/export/drafter)"
+        )
     if (Path(drafter_path) / VLLM_DIR).is_dir():  # eval.drafter_path names the export of a reduced-vocabulary drafter
         export = Path(drafter_path)
         vocab = exported_vocab(export)

@@ -24,7 +24,8 @@ import torch
 from omegaconf import DictConfig
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from pipeline.config import ConfigError, ModelSource
+from pipeline.config import EAGLE3, ConfigError, ModelSource
+from pipeline.models.eagle3 import Eagle3Head, new_head
 from pipeline.models.modeling_specdraft import SpecdraftDrafterConfig
 from pipeline.models.vocab import PARD_K, PARD_TOKEN, TokenizerMismatchError, VocabMap, check_tokenizers
 
@@ -43,8 +44,18 @@ def specialize_vocab(
     uses are re-pointed at the data's frequent unmapped ids (``VocabMap.specialize``) and restart from the
     mean embedding, or, given ``target_path`` (drafter.embeddings_from_target), the input rows from the
     target's rows of their new ids. Pretraining counts English; a language pair's prompts and answers need
-    other tokens."""
+    other tokens. An EAGLE-3 head reads the target's embeddings: only its output rows change, to the target's own
+    output rows of the new ids (given ``target_path``), else the mean."""
     specialized, rows = vocab.specialize(counts, always=tokenizer.all_special_ids)
+    if isinstance(model, Eagle3Head):
+        with torch.no_grad():
+            weight = model.lm_head.weight
+            weight[rows] = (
+                target_model(target_path).get_output_embeddings().weight[specialized.target_ids[rows]].to(weight)
+                if target_path is not None
+                else weight.mean(0)
+            )
+        return specialized
     with torch.no_grad():
         std = float(model.get_input_embeddings().weight[: vocab.unk_id].std())  # the trained rows' scale
         for weight in {model.get_input_embeddings().weight, model.get_output_embeddings().weight}:  # one if tied
@@ -54,6 +65,27 @@ def specialize_vocab(
                 target_path, model.config.hidden_size, specialized.target_ids[rows], std
             )
     return specialized
+
+
+def target_model(target_path: str) -> PreTrainedModel:
+    """The target's weights for a new drafter to start from (bf16: a 7B target fits every rank's host memory)."""
+    return AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.bfloat16)
+
+
+def init_head(drafter: DictConfig, target_path: str, vocab: VocabMap | None, seed: int) -> Eagle3Head:
+    """A random EAGLE-3 head of the configured shape for the target, reading its ``drafter.aux_layer_ids``."""
+    return new_head(
+        target_model(target_path),
+        vocab,
+        drafter.aux_layer_ids,
+        num_heads=drafter.num_heads,
+        num_kv_heads=drafter.num_kv_heads,
+        head_dim=drafter.head_dim,
+        intermediate_size=drafter.intermediate_size,
+        rms_norm_eps=drafter.rms_norm_eps,
+        max_position_embeddings=drafter.max_position_embeddings,
+        seed=seed,
+    )
 
 
 def init_drafter(drafter: DictConfig, target_path: str, vocab: VocabMap | None, seed: int) -> PreTrainedModel:
@@ -140,6 +172,13 @@ def check_drafter(drafter_path: str, target_path: str, name: str = "drafter") ->
             f"{name}'s mask token {PARD_TOKEN}={mask} is not {where}: it cannot draft in "
             "parallel; finetune it again with train.finetune.parallel_draft.k=K"
         )
+    if getattr(drafter_config, "draft_vocab_size", None) is not None:  # an EAGLE-3 head: reads every id, proposes N
+        if drafter_config.vocab_size != target_size:
+            raise TokenizerMismatchError(
+                f"{name} reads {drafter_config.vocab_size} token ids but the target has {target_size}; "
+                "train the head for this target"
+            )
+        drafter_size, expected = drafter_config.draft_vocab_size, expected - (vocab is not None)
     if drafter_size != expected + (mask is not None and vocab is not None):
         raise TokenizerMismatchError(
             f"{name} predicts {drafter_size} tokens but the target's (padded) vocabulary needs {expected}; "
@@ -212,6 +251,8 @@ def build_drafter(
 ) -> tuple[PreTrainedModel, VocabMap | None]:
     """The drafter the config asks for: random init (with ``vocab``), ``init_from``'s weights, or published
     hub/local weights."""
+    if drafter.architecture == EAGLE3:
+        return init_head(drafter, target_path, vocab, seed), vocab
     if drafter.source == ModelSource.init:
         if drafter.init_from is not None:
             return start_from(drafter, target_path)

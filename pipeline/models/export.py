@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -176,3 +177,89 @@ def draft_tensor_parallel_sizes(folder: Path, candidates: tuple[int, ...] = (1, 
     return [
         tp for tp in candidates if heads % tp == 0 and width % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
     ]
+
+
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # the EAGLE-3 checkpoints' name, which vLLM maps to its head
+
+
+def is_head_export(folder: str | Path) -> bool:
+    """Whether ``folder`` holds an exported EAGLE-3 head (``export_head``)."""
+    config = Path(folder) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("architectures") == [EAGLE3_ARCHITECTURE]
+
+
+def export_head(drafter_path: str, target_path: str, folder: Path) -> VocabMap | None:
+    """Write an EAGLE-3 head (pipeline/models/eagle3.py) in the checkpoint format vLLM's ``method: eagle3`` loads:
+    the head's weights under their own names (``fc``, ``fc_norm``, ``midlayer.*``, ``norm``, ``lm_head``; no
+    embedding: vLLM shares the target's), ``d2t`` (draft id -> target id offset) and ``t2d`` for a reduced
+    vocabulary, and a Llama config naming the target layers it reads in vLLM's convention
+    (``eagle_aux_hidden_state_layer_ids``), with the target's tokenizer. Returns its vocab map."""
+    from safetensors.torch import save_file
+
+    vocab = check_drafter(drafter_path, target_path)
+    head = AutoModelForCausalLM.from_pretrained(drafter_path, dtype=torch.float32)
+    c = head.config
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    layer_ids = list(c.aux_layer_ids)
+    config = {
+        "architectures": [EAGLE3_ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "target_hidden_size": c.target_hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "fc_norm": True,  # vLLM's per-layer RMSNorm of the three states before fc
+        "eagle_aux_hidden_state_layer_ids": layer_ids,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": layer_ids, "use_aux_hidden_state": True},
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        **{name: getattr(tokenizer, name) for name in SPECIAL_IDS},
+    }
+    weights = {name: tensor.contiguous() for name, tensor in head.state_dict().items()}
+    if vocab is not None:
+        weights["d2t"] = vocab.target_ids - torch.arange(len(vocab.target_ids))
+        weights["t2d"] = torch.zeros(vocab.target_vocab_size, dtype=torch.bool)
+        weights["t2d"][vocab.target_ids] = True
+    partial = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    save_file(weights, partial / SAFE_WEIGHTS_NAME, metadata={"format": "pt"})
+    (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tokenizer.save_pretrained(partial)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(partial, folder)
+    return vocab
+
+
+def eagle3_spec(folder: str | Path, k: int) -> dict:
+    """vLLM's ``speculative_config`` for an exported EAGLE-3 head."""
+    return {"method": "eagle3", "model": str(folder), "num_speculative_tokens": k}
+
+
+def eagle3_problem(target_path: str) -> str | None:
+    """Why this vLLM cannot serve an EAGLE-3 head beside this target, in one line; None if it can."""
+    architecture = (AutoConfig.from_pretrained(target_path).architectures or ["?"])[0]
+    try:
+        from vllm.model_executor.models import ModelRegistry
+        from vllm.model_executor.models.interfaces import supports_eagle3
+    except ImportError:
+        return "vLLM is not installed here"
+    model_class = ModelRegistry._try_load_model_cls(architecture)
+    if model_class is None:
+        return f"this vLLM does not serve {architecture}"
+    if not supports_eagle3(model_class):
+        return (
+            f"vLLM {importlib.metadata.version('vllm')}'s {architecture} has no EAGLE-3 interface "
+            "(SupportsEagle3: it cannot hand a head its hidden states); its Llama and Qwen models have it"
+        )
+    return None

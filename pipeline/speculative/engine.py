@@ -25,12 +25,15 @@ from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from pipeline import device as devices
 from pipeline.config import ConfigError
+from pipeline.models.eagle3 import Eagle3Head, KVCache, TargetFeatures
 from pipeline.models.vocab import PARD_K, PARD_TOKEN, VocabMap
 from pipeline.speculative.sampler import Sampling, probabilities, sample, verify, verify_greedy
 
 
 class CachedModel:
-    """A causal LM and its KV cache over a growing token sequence; ``length`` tokens are cached."""
+    """A causal LM and its KV cache over a growing token sequence; ``length`` tokens are cached. Reset with
+    ``features`` (a drafter that reads the target's hidden states asks for them), it also keeps those layers'
+    states of every cached position in ``states`` (1, length, 3 x hidden), cut back with the cache."""
 
     def __init__(self, model, vocab_map: VocabMap | None = None):
         self.model = model
@@ -38,12 +41,14 @@ class CachedModel:
         self.mask_id = getattr(model.config, PARD_TOKEN, None)  # a parallel drafter's (a drafter id)
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, features: TargetFeatures | None = None) -> None:
         with torch.device(self.model.device):  # Gemma 3's sliding-window layers make a tensor here
             self.cache = DynamicCache(config=self.model.config)
         # Sliding-window layers (Gemma 3) otherwise drop the states a rollback needs.
         self.cache.activate_past_recording()
         self.length = 0
+        self.features = features
+        self.states = None
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, keep: int, masks: int = 0) -> torch.Tensor:
@@ -53,7 +58,11 @@ class CachedModel:
         ids = self.vocab_map.encode(tokens) if self.vocab_map is not None else tokens
         if masks:
             ids = torch.cat([ids, ids.new_full((1, masks), self.mask_id)], dim=1)
-        logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=keep).logits
+        with self.features.capture() if self.features is not None else contextlib.nullcontext() as captured:
+            logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=keep).logits
+        if self.features is not None:
+            new = self.features.stacked(captured)
+            self.states = new if self.states is None else torch.cat([self.states, new], dim=1)
         if self.vocab_map is not None:
             logits = logits[..., : self.vocab_map.unk_id]
         self.length += ids.shape[1]
@@ -78,6 +87,8 @@ class CachedModel:
         drop = max(self.length - length, 0)
         self.cache.crop(-drop)  # crop(0) also trims sliding-window layers back to their window
         self.length -= drop
+        if self.states is not None:
+            self.states = self.states[:, : self.length]
 
 
 class Draft(NamedTuple):
@@ -160,6 +171,85 @@ class ParallelDrafter(ModelDrafter):
         return self.draft(sequence, tokens, probs)
 
 
+class HeadLM:
+    """An EAGLE-3 head (pipeline/models/eagle3.py) with its KV cache, reading target token ids through the target's
+    own embedding. It has CachedModel's interface (reset, forward, rollback, length, target_ids), so step costs time
+    it as any drafter: there ``forward`` is a draft step, each token's hidden input the head's own last output."""
+
+    mask_id = None
+
+    def __init__(self, head: Eagle3Head, embedding: torch.nn.Module, vocab_map: VocabMap | None):
+        self.model, self.embedding, self.vocab_map = head, embedding, vocab_map
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = KVCache()
+        self.last = None  # the residual stream out at the last position read: the next draft step's hidden input
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    @torch.inference_mode()
+    def read(self, hidden: torch.Tensor, tokens: torch.Tensor, keep: int) -> torch.Tensor:
+        """Read pairs (hidden state at t, target id of token t + 1); logits (1, keep, N) of the last ``keep``."""
+        start = self.length
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
+        out = self.model.step(hidden, self.embedding(tokens), positions, self.cache)
+        self.last = out[:, -1:]
+        return self.model.logits(out[:, -keep:]).float()
+
+    def forward(self, tokens: torch.Tensor, keep: int, masks: int = 0) -> torch.Tensor:
+        if self.last is None:
+            self.last = torch.zeros(1, 1, self.model.config.hidden_size, dtype=self.model.dtype, device=tokens.device)
+        return self.read(self.last.expand(-1, tokens.shape[1], -1), tokens, keep)
+
+    def rollback(self, length: int) -> None:
+        self.cache.crop(length)
+
+    def target_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        return self.vocab_map.decode(columns) if self.vocab_map is not None else columns
+
+
+class Eagle3Drafter(ModelDrafter):
+    """Proposes up to K tokens with an EAGLE-3 head from the target's own hidden states.
+
+    The target keeps its states at the head's layers for every position it caches (``target_features``, which
+    ``generate`` hands the target). A round first reads the pairs the head has not seen — the target's states at
+    t with token t + 1, up to the last token the target cached — then drafts autoregressively, each draft's
+    hidden input the head's previous output. The first round, before the target has read the prompt, drafts
+    nothing: the target's prefill is a plain step. A rollback keeps only the pairs read from the target."""
+
+    def __init__(self, head: Eagle3Head, target: CachedModel, vocab_map: VocabMap | None, min_confidence: float = 0.0):
+        self.lm = HeadLM(head, target.model.get_input_embeddings(), vocab_map)
+        self.target = target
+        self.target_features = TargetFeatures(target.model, head.config.aux_layer_ids)
+        self.min_confidence = min_confidence
+        self.context = 0
+
+    def reset(self) -> None:
+        self.lm.reset()
+        self.context = 0
+
+    def propose(self, sequence, k, sampling, generator) -> Draft:
+        start, end = self.lm.length, self.target.length
+        if end == 0:
+            return Draft(sequence.new_zeros((1, 0)))
+        hidden = self.lm.model.fuse(self.target.states[:, start:end])
+        logits = self.lm.read(hidden, sequence[:, start + 1 : end + 1], keep=1)[:, -1]
+        self.context = end
+        tokens, probs = [], []
+        for i in range(k):
+            if not self.pick(logits, sampling, generator, tokens, probs):
+                break
+            if i < k - 1:
+                logits = self.lm.forward(tokens[-1][:, None], keep=1)[:, -1]
+        return self.draft(sequence, tokens, probs)
+
+    def rollback(self, length: int) -> None:
+        self.lm.rollback(min(length, self.context))
+
+
 def check_parallel_k(config, ks) -> None:
     """Refuse, in one line, more draft positions than a parallel drafter was trained for."""
     if (trained := getattr(config, PARD_K, None)) is not None and max(ks, default=0) > trained:
@@ -170,8 +260,15 @@ def check_parallel_k(config, ks) -> None:
         )
 
 
-def model_drafter(model, vocab_map: VocabMap | None = None, min_confidence: float = 0.0) -> ModelDrafter:
-    """The drafter a model makes: parallel when it was trained to (its config names a mask token)."""
+def model_drafter(
+    model, vocab_map: VocabMap | None = None, min_confidence: float = 0.0, target: CachedModel | None = None
+) -> ModelDrafter:
+    """The drafter a model makes: parallel when it was trained to (its config names a mask token), an EAGLE-3 head
+    reading ``target``'s hidden states, else autoregressive."""
+    if isinstance(model, Eagle3Head):
+        if target is None:
+            raise ConfigError("an eagle3 head drafts from the target's hidden states: this path has no target for it")
+        return Eagle3Drafter(model, target, vocab_map, min_confidence)
     kind = ParallelDrafter if getattr(model.config, PARD_TOKEN, None) is not None else ModelDrafter
     return kind(model, vocab_map, min_confidence)
 
@@ -215,6 +312,7 @@ class LookupThenModelDrafter:
 
     def __init__(self, lookup: PromptLookupDrafter, model: ModelDrafter):
         self.lookup, self.model = lookup, model
+        self.target_features = getattr(model, "target_features", None)
 
     def reset(self) -> None:
         self.model.reset()
@@ -300,7 +398,7 @@ def generate(
     ``generator`` live on the models' device."""
     device = prompt_ids.device
     started = devices.clock(device)
-    target.reset()
+    target.reset(getattr(drafter, "target_features", None))
     if drafter is not None:
         drafter.reset()
     sequence = prompt_ids

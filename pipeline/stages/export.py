@@ -27,7 +27,7 @@ import statistics
 import jinja2
 import torch
 from omegaconf import DictConfig
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.device import resolve_device
 from pipeline.errors import AcceptanceMismatchError
@@ -36,13 +36,17 @@ from pipeline.evaluation.heldout import heldout_prompts, stop_condition
 from pipeline.evaluation.results import environment
 from pipeline.jsonl import write_jsonl
 from pipeline.models.drafter import load_drafter
+from pipeline.models.eagle3 import MODEL_TYPE as HEAD_MODEL_TYPE
 from pipeline.models.export import (
     EXPORT_FOLDER,
     SINGLE_KV_GROUP,
     VLLM_DIR,
     draft_model_spec,
     draft_tensor_parallel_sizes,
+    eagle3_problem,
+    eagle3_spec,
     export_drafter,
+    export_head,
     sliding_window_target,
     vllm_mapping_problem,
 )
@@ -57,14 +61,16 @@ from pipeline.workers import exit_on_preemption
 
 SAMPLES = "samples.jsonl"
 # the exported folder's README, rendered as written: no HTML escaping, one line per template line
-README_TEMPLATE = jinja2.Environment(
+TEMPLATES = jinja2.Environment(
     loader=jinja2.PackageLoader("pipeline.stages"),
     trim_blocks=True,
     lstrip_blocks=True,
     keep_trailing_newline=True,
     undefined=jinja2.StrictUndefined,
     autoescape=False,
-).get_template("export_README.md.j2")
+)
+README_TEMPLATE = TEMPLATES.get_template("export_README.md.j2")
+HEAD_README_TEMPLATE = TEMPLATES.get_template("export_head_README.md.j2")  # an EAGLE-3 head's folder
 NOISE_SE = 4  # |tau_hf - tau_ours| beyond this many standard errors of the difference fails the stage
 
 
@@ -75,6 +81,8 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
     target_path = model_path(cfg.target, cfg.paths.models_dir)
     finetuned = str(directory.inputs["finetune"].path / "drafter")
     folder = directory.path / EXPORT_FOLDER
+    if AutoConfig.from_pretrained(finetuned).model_type == HEAD_MODEL_TYPE:
+        return export_eagle3_head(cfg, target_path, finetuned, folder)
     vocab = export_drafter(finetuned, target_path, folder, ev.num_draft_tokens)
     vllm = vllm_form(target_path, folder, vocab, ev.num_draft_tokens)
     smoke, gate = smoke_check(cfg, target_path, finetuned, folder, device, directory.path)
@@ -106,6 +114,39 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
             f"the exported drafter's T=1 tau in transformers ({t1['tau_hf']:.3f}) differs from our engine's "
             f"({t1['tau_ours']:.3f}) by more than {NOISE_SE} standard errors; see {directory.path / SAMPLES}"
         )
+    return counts
+
+
+def export_eagle3_head(cfg: DictConfig, target_path: str, finetuned: str, folder) -> dict:
+    """An EAGLE-3 head in vLLM's format only (transformers' assisted generation cannot run a head), with its README.
+    Its check is vLLM's own: ``eval.engine=vllm`` on the folder compares the speculative server's greedy outputs
+    with the target server's (exactly what the README's command runs)."""
+    vocab = export_head(finetuned, target_path, folder)
+    problem = eagle3_problem(target_path)
+    spec = eagle3_spec(folder.resolve(), cfg.eval.num_draft_tokens) if problem is None else None
+    check = make_command(cfg, "eval", ("eval.engine=vllm", f"eval.drafter_path={folder.resolve()}"))
+    counts = {
+        "folder": str(folder.resolve()),
+        "reduced_vocab": len(vocab.target_ids) if vocab is not None else None,
+        "vllm": {"speculative_config": spec, "reason": problem},
+        "check_command": check,
+    }
+    values = {
+        "drafter_name": cfg.drafter.name,
+        "target_name": cfg.target.name,
+        "pair": cfg.lang.pair,
+        "recipe": cfg.recipe,
+        "git": git_revision(),
+        "layer_ids": AutoConfig.from_pretrained(folder).eagle_aux_hidden_state_layer_ids,
+        "reduced": counts["reduced_vocab"],
+        "target_path": target_path,
+        "spec_repr": repr(spec),
+        "spec_json": json.dumps(spec) if spec is not None else None,
+        "check_command": check,
+        "reason": problem,
+    }
+    (folder / "README.md").write_text(HEAD_README_TEMPLATE.render(values))
+    print(f"export: EAGLE-3 head in vLLM's format at {folder}; vLLM: {problem or check}", flush=True)
     return counts
 
 

@@ -119,6 +119,8 @@ def train(cfg: DictConfig, directory: StageDir, log: MetricsLog) -> dict:
         log,
         cfg.seed,
         then=aligner(cfg, vocab, examples, heldout, tokenizer, target_path, directory, log),
+        drafter=cfg.drafter,
+        target_dtype=cfg.target.dtype,
     )
 
 

@@ -46,5 +46,17 @@ def train(cfg: DictConfig, directory: StageDir, log: MetricsLog) -> dict:
     if model is None:
         counts = token_counts(examples, AutoConfig.from_pretrained(target_path).vocab_size)
         model, vocab = build_drafter(cfg.drafter, target_path, reduced_vocab(cfg.drafter, counts, tokenizer), cfg.seed)
-    counts = loop.train_drafter(tc, model, vocab, examples, tokenizer, target_path, directory.path, log, cfg.seed)
+    counts = loop.train_drafter(
+        tc,
+        model,
+        vocab,
+        examples,
+        tokenizer,
+        target_path,
+        directory.path,
+        log,
+        cfg.seed,
+        drafter=cfg.drafter,
+        target_dtype=cfg.target.dtype,
+    )
     return {**counts, "documents": len(starts), "tokens": len(tokens), "blocks": len(examples)}

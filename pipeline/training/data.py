@@ -340,6 +340,13 @@ def label_coverage(examples: list[dict], vocab: VocabMap | None) -> float:
     return float((vocab.encode(labels) != vocab.unk_id).float().mean())
 
 
+def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, length, length) bool: each token attends to the earlier tokens of its own packed example."""
+    length = segment_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
+    return ((segment_ids[:, :, None] == segment_ids[:, None, :]) & causal).unsqueeze(1)
+
+
 class Collator:
     """Pads a batch (right side; padding is never a label) and maps ids to the drafter's vocabulary.
 

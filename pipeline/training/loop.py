@@ -40,11 +40,12 @@ from transformers import get_cosine_schedule_with_warmup
 from pipeline.config import ConfigError, Loss
 from pipeline.durable import DiskFullError, fsync_tree, no_room_line, out_of_room, write_atomic
 from pipeline.models.drafter import make_parallel, save_drafter
+from pipeline.models.eagle3 import Eagle3Head
 from pipeline.models.provision import ModelNotFoundError
 from pipeline.models.vocab import PARD_TOKEN, VocabMap
 from pipeline.prompts import IGNORE
-from pipeline.training import parallel_draft
-from pipeline.training.data import Collator, label_coverage, token_counts
+from pipeline.training import eagle3, parallel_draft
+from pipeline.training.data import Collator, block_causal_mask, label_coverage, token_counts
 from pipeline.training.losses import loss_sum
 from pipeline.workers import EXIT_PREEMPTED, preemption_signals
 
@@ -169,13 +170,6 @@ NOTHING = {"labels": IGNORE, "teacher_ids": -1, "teacher_logprobs": float("-inf"
 def shift(target: torch.Tensor, nothing) -> torch.Tensor:
     """Targets of token t + 1 at position t; nothing at the last position."""
     return torch.cat([target[:, 1:], torch.full_like(target[:, :1], nothing)], dim=1)
-
-
-def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """(batch, 1, length, length) bool: each token attends to the earlier tokens of its own packed example."""
-    length = segment_ids.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
-    return ((segment_ids[:, :, None] == segment_ids[:, None, :]) & causal).unsqueeze(1)
 
 
 def supervised_objective(loss: Loss) -> Callable:
@@ -417,12 +411,25 @@ def train_drafter(
     log: Callable[[dict, int], None],
     seed: int,
     then: Callable[[TrainResult], TrainResult] | None = None,
+    drafter: DictConfig | None = None,
+    target_dtype: str = "float32",
 ) -> dict:
     """Train, then write ``out_dir/drafter`` (contract 2); returns the counts for the manifest. ``then``, if
-    given, is a further phase that continues from the trained drafter (finetune's on-policy alignment)."""
+    given, is a further phase that continues from the trained drafter (finetune's on-policy alignment). An EAGLE-3
+    head trains on the target's own states and distributions (pipeline/training/eagle3.py: ``drafter``'s loss and
+    training-time-test steps, the target in ``target_dtype`` or the autocast's half precision)."""
     pack_length = tc.max_length if tc.get("pack") else None
     objective = None
-    if tc.parallel_draft.enabled:
+    if isinstance(model, Eagle3Head):
+        if tc.parallel_draft.enabled or then is not None:
+            raise ConfigError(
+                "an eagle3 head trains on the target's states only: unset train.finetune.parallel_draft.enabled and "
+                "train.finetune.on_policy.enabled, or choose a standalone drafter"
+            )
+        collate = Collator(tokenizer.pad_token_id, None, pack_length)  # head and target read target ids
+        dtype = eagle3.target_dtype(tc.mixed_precision.value, target_dtype)
+        objective = eagle3.head_objective(target_path, model, vocab, Loss(drafter.loss), drafter.ttt_steps, dtype)
+    elif tc.parallel_draft.enabled:
         mask_id = None  # a reduced vocabulary's mask, or one the drafter already has, needs no choosing
         if vocab is None and getattr(model.config, PARD_TOKEN, None) is None:
             counts = token_counts(examples, model.config.vocab_size)
@@ -447,6 +454,6 @@ def train_drafter(
     return {
         **result.summary,
         "parameters": sum(p.numel() for p in result.model.parameters()),
-        "drafter_vocab": result.model.config.vocab_size,
+        "drafter_vocab": getattr(result.model.config, "draft_vocab_size", result.model.config.vocab_size),
         "label_coverage": round(label_coverage(examples, vocab), 4),
     }

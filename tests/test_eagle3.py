@@ -1,0 +1,157 @@
+"""EAGLE-3 heads on tiny random targets: the target's states at vLLM's layer ids, greedy exactness through our
+engine, the head's KV rollback, training-time test equal to decoding, and one-line errors for wrong layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.config import ConfigError
+from pipeline.models.eagle3 import KVCache, TargetFeatures, default_layer_ids, new_head
+from pipeline.models.vocab import VocabMap
+from pipeline.speculative.engine import (
+    CachedModel,
+    LookupThenModelDrafter,
+    PromptLookupDrafter,
+    generate,
+    model_drafter,
+)
+from tests.helpers import NO_STOP, PROMPT, VOCAB, full_greedy, tiny_gemma3, tiny_llama
+
+LAYERS = [1, 2, 3]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Models this tiny decode several times faster on one thread than on two busy cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def llama_target():
+    return tiny_llama(0, VOCAB, layers=4)
+
+
+def gemma_target():
+    return tiny_gemma3(0, VOCAB, ["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+
+
+def head_for(target, vocab=None, seed=1):
+    return new_head(target, vocab, LAYERS, num_heads=2, intermediate_size=64, seed=seed).eval()
+
+
+@pytest.mark.parametrize("make", [llama_target, gemma_target])
+def test_states_follow_vllms_layer_ids(make):
+    """Id i is the residual stream entering decoder layer i: transformers' hidden_states[i]; id N is the last
+    layer's output before the final norm."""
+    target = make()
+    ids = torch.tensor([[1, 5, 9, 13, 5]])
+    with torch.inference_mode():
+        every = target(input_ids=ids, output_hidden_states=True).hidden_states
+        _, states = TargetFeatures(target, [0, 2, 3])(target, input_ids=ids)
+        _, last = TargetFeatures(target, [1, 2, 4])(target, input_ids=ids)
+        normed = target.model.norm(last[..., -32:])
+    assert torch.equal(states, torch.cat([every[0], every[2], every[3]], dim=-1))
+    assert torch.allclose(normed, every[4], atol=1e-6)  # the final norm of id 4 is the model's last hidden state
+    assert default_layer_ids(32) == [2, 16, 29]
+
+
+@pytest.mark.parametrize("make", [llama_target, gemma_target])
+def test_greedy_is_token_exact_with_a_head(make):
+    target = CachedModel(make())
+    steps = 30
+    reference = full_greedy(target.model, PROMPT, steps)
+    vocab = VocabMap(torch.arange(0, VOCAB, 2), VOCAB)  # half the ids: drafts off the map never happen
+    for head in (head_for(target.model), head_for(target.model, vocab)):
+        drafter = model_drafter(head, vocab if head.config.draft_vocab_size < VOCAB else None, target=target)
+        for candidate in (drafter, LookupThenModelDrafter(PromptLookupDrafter(VOCAB), drafter)):
+            for k in (1, 3, 5):
+                out = generate(target, PROMPT, steps, NO_STOP, drafter=candidate, k=k)
+                assert out.tokens == reference, (type(candidate).__name__, k)
+                assert sum(out.accepted) + out.target_calls == len(out.tokens)
+    assert out.drafted[0] == 0 and sum(out.drafted) > 0  # the prefill round drafts nothing, the others do
+
+
+def test_head_kv_rollback_equals_recomputation():
+    target = llama_target()
+    head = head_for(target)
+    cached = model_drafter(head, target=CachedModel(target)).lm
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 40, 32, generator=g)
+    tokens = torch.randint(0, VOCAB, (1, 40), generator=g)
+    read = 6
+    cached.read(hidden[:, :read], tokens[:, :read], keep=1)
+    for _ in range(8):
+        cached.forward(torch.randint(0, VOCAB, (1, 1), generator=g), keep=1)  # draft steps, then dropped
+        cached.forward(torch.randint(0, VOCAB, (1, 1), generator=g), keep=1)
+        cached.rollback(read)
+        new = int(torch.randint(1, 4, (1,), generator=g))
+        logits = cached.read(hidden[:, read : read + new], tokens[:, read : read + new], keep=1)
+        read += new
+        fresh = model_drafter(head, target=CachedModel(target)).lm
+        full = fresh.read(hidden[:, :read], tokens[:, :read], keep=1)
+        assert torch.allclose(logits, full, atol=1e-5), (read, (logits - full).abs().max())
+
+
+def test_training_rollout_equals_decoding():
+    """Training-time test's step s at index i is the (s + 1)-th draft after a context ending at i: the same
+    residual stream as decoding reads pairs 0..i, then s draft steps with those tokens, through the KV cache."""
+    target = llama_target()
+    head = head_for(target)
+    g = torch.Generator().manual_seed(0)
+    length, steps = 12, 3
+    hidden = torch.randn(1, length, 32, generator=g)
+    embeds = torch.randn(1, length + steps, 32, generator=g)
+    positions = torch.arange(length)[None]
+    with torch.no_grad():
+        outputs = head.rollout(hidden, [embeds[:, s : s + length] for s in range(steps)], positions)
+        for i in (0, 4, length - 1):
+            cache = KVCache()
+            out = head.step(hidden[:, : i + 1], embeds[:, : i + 1], positions[:, : i + 1], cache)[:, -1:]
+            assert torch.allclose(out, outputs[0][:, i : i + 1], atol=1e-5)
+            for s in range(1, steps):
+                out = head.step(out, embeds[:, i + s : i + s + 1], torch.tensor([[i + s]]), cache)
+                assert torch.allclose(out, outputs[s][:, i : i + 1], atol=1e-5), (i, s)
+
+
+@pytest.mark.parametrize("ids", [[1, 2, 9], [1, 1, 2], [0, 1], [-1, 1, 2]])
+def test_wrong_layer_ids_are_one_line(ids):
+    with pytest.raises(ConfigError, match=r"aux_layer_ids=.* must be 3 distinct layer ids in 0\.\.4") as error:
+        new_head(llama_target(), None, ids)
+    assert "\n" not in str(error.value)
+
+
+def test_a_target_without_decoder_layers_is_one_line():
+    class Opaque(torch.nn.Module):
+        config = llama_target().config
+
+    with pytest.raises(ConfigError, match="exposes no decoder layers .* choose a standalone drafter"):
+        new_head(Opaque(), None, LAYERS)
+
+
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ("drafter.num_layers=2", "num_layers must be 1 for eagle3"),
+        ("drafter.hidden_size=256", "hidden_size must be null for eagle3"),
+        ("drafter.loss=null", "drafter.loss is needed for eagle3"),
+        ("drafter.ttt_steps=0", "ttt_steps must be >= 1"),
+    ],
+)
+def test_a_head_config_that_cannot_be_built_is_refused_at_composition(override, says):
+    from pipeline.config import compose_config
+
+    with pytest.raises(ConfigError, match=says) as error:
+        compose_config(["recipe=local", "drafter=eagle3-gemma3", override])
+    assert "\n" not in str(error.value)
+
+
+def test_every_head_config_composes_and_a_standalone_refuses_head_keys():
+    from pipeline.config import compose_config
+
+    for name in ("eagle3-gemma3", "eagle3-llama", "eagle3-ci"):
+        assert compose_config(["recipe=local", f"drafter={name}"]).drafter.architecture == "eagle3"
+    with pytest.raises(ConfigError, match="an eagle3 head's"):
+        compose_config(["recipe=local", "drafter.loss=kd_forward_kl"])
