@@ -362,7 +362,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # gradient-norm clip
     mixed_precision: MixedPrecision = MixedPrecision.no  # autocast of the training step
     log_every: int = 10  # steps between logged metrics
-    save_every: int = 200  # steps between checkpoints
+    # steps between checkpoints, or auto: every 200 steps, or every steps/50 in a run of more than 10,000 (at most 50
+    # checkpoints: a ZeRO checkpoint costs seconds); a preemption and the last step checkpoint too
+    save_every: Any = "auto"
     resume: ResumeMode = ResumeMode.auto  # whether a rerun continues from a checkpoint
     launch: str = "single"  # recipes/launch/<launch>.yaml
     # processes over all nodes, or auto: every local GPU (times SLURM_NNODES in a multi-node job), 1 without one
@@ -375,6 +377,8 @@ class TrainConfig:
         problems = ParallelDraftConfig.check(tc.parallel_draft, f"{key}.parallel_draft")
         if not 0 <= tc.warmup_ratio < 1:
             problems.append(f"{key}.warmup_ratio must be in [0, 1)")
+        if not _positive_or_auto(tc.save_every):
+            problems.append(f"{key}.save_every must be a positive integer or auto, not {tc.save_every}")
         if not _positive_or_auto(tc.num_processes):
             problems.append(f"{key}.num_processes must be a positive integer or auto, not {tc.num_processes}")
         elif tc.num_processes != "auto" and tc.batch_size % (tc.grad_accum * tc.num_processes):
