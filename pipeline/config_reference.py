@@ -167,6 +167,8 @@ def _walk(cls: type, prefix: str) -> list[KeyDoc]:
             continue
         comment, meanings = _help(cls, f.name), _meanings(tp)
         text = f"{comment} ({meanings})" if comment and meanings else comment or meanings
+        if bounds := f.metadata.get("bounds"):  # checked at composition (pipeline/config/checks.py out_of_range)
+            text = f"{text}; {'each ' if typing.get_origin(tp) is list else ''}must be {bounds}"
         docs.append(KeyDoc(key, _type_name(hints[f.name]), _default(f), text))
         if typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):
             docs += _walk(typing.get_args(tp)[0], f"{key}[].")
@@ -239,6 +241,7 @@ the config is composed, in one line that lists the valid choices.
 
 - **type**: `a | b` lists the allowed values; `null` means unset; `any` is explained in the help.
 - **default**: the schema's default; *required* means the option file must set it.
+- **help** ends with the range a number must be in (`must be >= 1`), checked when the config is composed.
 - **{RECIPE}**: the value in the default recipe (`recipe={RECIPE}`, `lang=de-en`), where the group files and the
   recipe override the schema. `specdraft config recipe=NAME lang=PAIR [key=value ...]` prints every value of any
   composition.

@@ -1,6 +1,6 @@
-"""Append-only JSONL files that survive a ``kill -9`` or a full disk: the eval stage's per-prompt results and
-the training metrics are written one durable line at a time, the distill stage's records by a writer thread
-(``BackgroundJsonl``), and all are read back without a torn last line."""
+"""Append-only JSONL files that survive a ``kill -9`` or a full disk: the eval stage's per-prompt results are written
+one durable line at a time, the training metrics one line at a time and put on the disk at each checkpoint, the
+distill stage's records by a writer thread (``BackgroundJsonl``), and all are read back without a torn last line."""
 
 from __future__ import annotations
 
@@ -63,17 +63,31 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 class AppendOnlyJsonl:
-    """Appends one JSON line at a time, durable once ``append`` returns; the file is created on first use."""
+    """Appends one JSON line at a time, written whole once ``append`` returns (a ``kill -9`` keeps it) and, unless
+    ``durable`` is false, on the disk (a crash of the node keeps it too); ``sync`` puts the lines appended so far on
+    the disk. The file is created on first use."""
 
-    def __init__(self, path: Path):
-        self.path, self.handle = path, None
+    def __init__(self, path: Path, durable: bool = True):
+        self.path, self.durable, self.handle = path, durable, None
+        self.unsynced = self.created = False
 
     def append(self, record: dict) -> None:
         if self.handle is None:
+            self.created = not self.path.exists()
             cut_torn_tail(self.path)
             self.handle = self.path.open("ab", buffering=0)
         append_whole(self.handle, (json.dumps(record, ensure_ascii=False) + "\n").encode())
-        os.fsync(self.handle.fileno())
+        self.unsynced = True
+        if self.durable:
+            self.sync()
+
+    def sync(self) -> None:
+        if self.unsynced:
+            os.fsync(self.handle.fileno())
+            self.unsynced = False
+        if self.created:  # the new file's name survives a crash too
+            fsync_dir(self.path.parent)
+            self.created = False
 
     def close(self) -> None:
         if self.handle is not None:

@@ -137,7 +137,7 @@ def test_a_target_without_decoder_layers_is_one_line():
         ("drafter.num_layers=2", "num_layers must be 1 for eagle3"),
         ("drafter.hidden_size=256", "hidden_size must be null for eagle3"),
         ("drafter.loss=null", "drafter.loss is needed for eagle3"),
-        ("drafter.ttt_steps=0", "ttt_steps must be >= 1"),
+        ("drafter.ttt_steps=0", "drafter.ttt_steps must be"),
     ],
 )
 def test_a_head_config_that_cannot_be_built_is_refused_at_composition(override, says):

@@ -57,6 +57,7 @@ def run(tc, examples, out_dir, seed: int = 0, model=None, on_log=None) -> dict[i
         if on_log:
             on_log(step)
 
+    logger.sync = log.sync  # the loop puts the lines on the disk at each checkpoint
     loop.train(tc, model or tiny_model(), examples, Collator(0, None), out_dir, logger, seed)
     return read_metrics(out_dir)
 
@@ -93,6 +94,81 @@ def test_interrupted_then_resumed_run_reproduces_the_losses_exactly(tmp_path):
     assert [resumed[s]["loss"] for s in range(1, 13)] == [uninterrupted[s]["loss"] for s in range(1, 13)]
     assert [resumed[s]["lr"] for s in range(1, 13)] == [uninterrupted[s]["lr"] for s in range(1, 13)]
     assert resumed[12]["tokens_seen"] == uninterrupted[12]["tokens_seen"]
+
+
+# (recipe, stage) -> examples the stage trains on, estimated from the recipe's own numbers: a finetune trains on
+# every distilled answer, data.max_train_prompts (the WMT train split has more rows; hub sources hold their
+# prompts out from another split) x distill.temperatures x samples_per_prompt; a pretrain on blocks of max_length
+# tokens, token_budget of them read. paper-vicuna's finetune: 1M x 4 / 128 x 3 epochs = 93,750 steps.
+def planned_examples(cfg, stage: str) -> int:
+    tc = cfg.train[stage]
+    if stage == "pretrain":
+        return tc.token_budget // tc.max_length
+    return cfg.data.max_train_prompts * len(cfg.distill.temperatures) * cfg.distill.samples_per_prompt
+
+
+@pytest.mark.parametrize("recipe", ["paper-vicuna", "paper-vicuna-f-only", "paper-llama2", "paper-gemma"])
+def test_a_paper_recipes_training_writes_at_most_50_checkpoints(recipe):
+    """save_every=auto sizes the interval to the run: the finetune's ~94k steps (156k F-only) wrote a ~1 GB ZeRO-2
+    checkpoint every 200 steps, ~470 of them (~780); the pretrain's 1,525 steps keep theirs every 200."""
+    cfg = compose_config([f"recipe={recipe}"])
+    for stage in ("pretrain", "finetune"):
+        tc = cfg.train[stage]
+        _, _, total = loop.plan_steps(tc, planned_examples(cfg, stage), world=8)  # one node of 8 GPUs
+        interval = loop.checkpoint_interval(tc.save_every, total)
+        checkpoints = sum(loop.checkpoint_due(step, interval, total) for step in range(1, total + 1))
+        assert checkpoints <= loop.MAX_CHECKPOINTS == 50, (recipe, stage, total, interval, checkpoints)
+        assert interval >= loop.AUTO_SAVE_EVERY  # never more often than the fixed default was
+    finetune = cfg.train.finetune
+    assert loop.plan_steps(finetune, planned_examples(cfg, "finetune"), 8)[2] == 4_000_000 // 128 * finetune.epochs
+
+
+@pytest.mark.parametrize("total", [1, 199, 200, 10_000, 10_001, 10_049, 93_750, 156_250, 10**6])
+def test_auto_checkpoints_stay_within_the_cap_and_end_at_the_last_step(total):
+    interval = loop.checkpoint_interval("auto", total)
+    due = [step for step in range(1, total + 1) if loop.checkpoint_due(step, interval, total)]
+    assert len(due) <= loop.MAX_CHECKPOINTS and due[-1] == total
+    assert interval == (200 if total <= 10_000 else -(-total // 50))
+    assert loop.checkpoint_interval(7, total) == 7  # a number is kept as it is
+
+
+def test_the_loop_checkpoints_at_auto_steps_and_syncs_the_metrics_only_before_each(tmp_path, monkeypatch):
+    """save_every=auto in the loop (the cap lowered to fit a test): checkpoints at 4, 8, 12 of 12 steps. Metrics are
+    logged every step, but metrics.jsonl is fsynced only before each checkpoint's step.json, holding that step's
+    line: no fsync per line on rank 0, and a resume never continues after a line a crash of the node lost."""
+    monkeypatch.setattr(loop, "AUTO_SAVE_EVERY", 2)
+    monkeypatch.setattr(loop, "MAX_CHECKPOINTS", 3)  # 12 steps: every max(2, 12 / 3) = 4 steps
+    events = []  # (file fsynced, metrics lines on disk then)
+    real_fsync = os.fsync
+
+    def spy(fd):
+        name = Path(os.readlink(f"/proc/self/fd/{fd}")).name
+        metrics = tmp_path / "metrics.jsonl"
+        events.append((name, metrics.read_text().count("\n") if metrics.exists() else 0))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    metrics = run(train_config(max_steps=12, save_every="auto"), counting_examples(n=16), tmp_path)
+    assert sorted(metrics) == list(range(1, 13))
+    synced = [lines for name, lines in events if name == "metrics.jsonl"]
+    declared = [lines for name, lines in events if name.startswith(f".{loop.STEP_FILE}.")]  # write_atomic's file
+    assert synced == declared == [4, 8, 12], events
+    for step_file in [i for i, (name, _) in enumerate(events) if name.startswith(f".{loop.STEP_FILE}.")]:
+        assert any(name == "metrics.jsonl" for name, _ in events[:step_file])
+    assert loop.latest_checkpoint(tmp_path).name == "step-00000012"
+
+
+def test_the_alignment_phase_logs_under_its_prefix_and_syncs_the_finetune_log(tmp_path, monkeypatch):
+    from pipeline.training.on_policy import PhaseLog
+
+    log = PhaseLog(MetricsLog(tmp_path / "metrics.jsonl"), first_step=30)
+    log({"loss": 0.5}, 2)
+    synced = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")))
+    log.sync()
+    assert read_metrics(tmp_path) == {32: {"step": 32, "on_policy/loss": 0.5}}
+    assert str(tmp_path / "metrics.jsonl") in synced
+    PhaseLog(lambda metrics, step: None, 0).sync()  # a log that writes nothing to sync
 
 
 def test_loss_is_taken_on_labelled_tokens_only(tmp_path):

@@ -1,21 +1,24 @@
-"""``validate``: the checks the schemas' types cannot express. Each section's own checks live beside its schema
-(``check`` in pipeline/config/schemas.py); here are the top-level keys, the values that must name a file of the
-config directories, and the relations between sections."""
+"""``validate``: the checks the schemas' types cannot express. The numbers' ranges are declared on the schemas'
+fields (``Bounds``) and each section's own checks live beside its schema (``check`` in pipeline/config/schemas.py);
+here are the walk over the ranges, the top-level keys, the values that must name a file of the config directories,
+and the relations between sections."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import typing
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from pipeline.config.folders import options
 from pipeline.config.schemas import (
+    Config,
     ConfigError,
     DataConfig,
     DistillConfig,
     DrafterConfig,
     EvalConfig,
-    ExportConfig,
     ScalingConfig,
     SourceKind,
     TargetConfig,
@@ -31,19 +34,44 @@ SECTIONS = {
     "distill": DistillConfig,
     "train": TrainGroupConfig,
     "eval": EvalConfig,
-    "export": ExportConfig,
     "scaling": ScalingConfig,
 }
 
 
 def validate(cfg: DictConfig) -> None:
-    """Raise a ConfigError naming every problem of a composed config, in one line."""
+    """Raise a ConfigError naming every problem of a composed config, in one line. The numbers out of their range
+    first, alone: the other checks divide by counts and compare sizes that they take to be in range."""
+    if problems := out_of_range(Config, cfg):
+        raise ConfigError("; ".join(problems))
     problems = _top_level(cfg)
     for key, schema in SECTIONS.items():
         problems += schema.check(cfg[key], key)
     problems += _named_files(cfg) + _across_sections(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def out_of_range(schema: type, section: DictConfig, prefix: str = "") -> list[str]:
+    """Every number of ``section`` (typed by the dataclass ``schema``) outside the Bounds its field declares, and of
+    each section and list of sections below it: ``key must be <range>, not <value>``. An unset (None) key passes."""
+    problems = []
+    hints = typing.get_type_hints(schema)
+    for spec in dataclasses.fields(schema):
+        key, value = f"{prefix}{spec.name}", section[spec.name]
+        item_type = next(iter(typing.get_args(hints[spec.name])), None)
+        if dataclasses.is_dataclass(hints[spec.name]):
+            problems += out_of_range(hints[spec.name], value, f"{key}.")
+        elif isinstance(value, ListConfig) and dataclasses.is_dataclass(item_type):
+            for index, item in enumerate(value):
+                problems += out_of_range(item_type, item, f"{key}[{index}].")
+        elif (bounds := spec.metadata.get("bounds")) is not None:
+            items = enumerate(value) if isinstance(value, ListConfig) else [(None, value)]
+            problems += [
+                f"{key if index is None else f'{key}[{index}]'} must be {bounds}, not {number}"
+                for index, number in items
+                if number is not None and not bounds.admit(number)
+            ]
+    return problems
 
 
 def _top_level(cfg: DictConfig) -> list[str]:
@@ -69,8 +97,6 @@ def _named_files(cfg: DictConfig) -> list[str]:
 
 def _across_sections(cfg: DictConfig) -> list[str]:
     problems = []
-    if any(t < 0 for t in [*cfg.distill.temperatures, *cfg.eval.temperatures]):  # one message for both sections
-        problems.append("temperatures must be >= 0")
     data, distill = cfg.data, cfg.distill
     # back-translation's own checks (DataConfig.check) pass: a count > 0 of offline sources
     if data.back_translation > 0 and data.sources == SourceKind.offline and not cfg.lang.examples:

@@ -5,16 +5,20 @@ Every Hydra group in ``conf/`` is typed by a dataclass below, so a typo'd key, a
 value fails when the config is composed, before any compute. The comments on fields and enum members are the
 help text of docs/configuration.md (pipeline/config_reference.py reads them).
 
-A section whose rules its types cannot express has a ``check(section, key)``: the problems of that composed
-section (the DictConfig at the dotted ``key``), each a message that names its key; ``validate``
-(pipeline/config/checks.py) calls them and adds the checks across sections.
+A number's range is declared on its field, ``field(default=..., metadata=AT_LEAST_1)`` (Bounds: of each item, for a
+list of numbers); ``validate`` (pipeline/config/checks.py) checks every field's before anything else. A section whose
+rules neither its types nor its ranges express has a ``check(section, key)``: the problems of that composed section
+(the DictConfig at the dotted ``key``), each a message that names its key; ``validate`` calls them and adds the
+checks across sections.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from enum import Enum
+from types import MappingProxyType
 from typing import Any
 
 from omegaconf import MISSING, DictConfig
@@ -25,6 +29,39 @@ DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")  # eval.device
 def _positive_or_auto(count: Any) -> bool:
     """A process or replica count (typed Any): a positive integer or auto."""
     return count == "auto" or isinstance(count, int) and count >= 1
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The values a number of the config may take: from ``low`` to ``high``, each end included unless open."""
+
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+
+    def admit(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below  # NaN: neither
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+
+
+def _bounded(bounds: Bounds) -> MappingProxyType:
+    """A field's metadata that declares its range."""
+    return MappingProxyType({"bounds": bounds})
+
+
+AT_LEAST_0 = _bounded(Bounds(0))  # counts that may be none, seeds, temperatures
+AT_LEAST_1 = _bounded(Bounds(1))  # counts, sizes
+ABOVE_0 = _bounded(Bounds(0, low_open=True))  # rates, timeouts
+SHARE = _bounded(Bounds(0, 1, low_open=True))  # a share of a whole that is not empty
+BELOW_1 = _bounded(Bounds(0, 1, high_open=True))  # a share that leaves something
+PORT = _bounded(Bounds(1, 65535))
 
 
 class ConfigError(ValueError):
@@ -134,7 +171,7 @@ class TargetConfig:
     stop: list[str] | None = None  # stop strings; None: a newline for completion prompts, none for chat
     stop_tokens: list[str] = field(default_factory=list)  # special tokens that end an answer besides EOS
     add_bos_token: bool | None = None  # force the converted tokenizer to add BOS (Gemma needs it)
-    max_model_len: int = 2048  # context length vLLM serves (--max-model-len)
+    max_model_len: int = field(default=2048, metadata=AT_LEAST_1)  # context length vLLM serves (--max-model-len)
     # dry runs: a tiny random-init model of this architecture, with the real tokenizer, replaces the weights
     stand_in: bool = False
 
@@ -159,8 +196,6 @@ def eagle3_problems(d: DictConfig, key: str) -> list[str]:
         problems.append(f"{key}.num_layers must be 1 for eagle3 (one decoder layer, as vLLM serves it)")
     if d.loss is None:
         problems.append(f"{key}.loss is needed for eagle3: kd_forward_kl, kd_total_variation or ce")
-    if d.ttt_steps < 1:
-        problems.append(f"{key}.ttt_steps must be >= 1")
     return problems
 
 
@@ -171,18 +206,21 @@ class DrafterConfig:
     path: str | None = None  # for hub/local drafters
     # transformers model_type used when source=init; eagle3: an EAGLE-3 head reading the target's hidden states
     architecture: str = "llama"
-    hidden_size: int | None = 256  # source=init: width (eagle3: None, the target's width)
-    num_layers: int = 2  # source=init: transformer layers
-    num_heads: int = 4  # source=init: attention heads
-    num_kv_heads: int | None = None  # source=init: key/value heads (None: num_heads)
-    head_dim: int | None = None  # source=init: per-head width (None: hidden_size / num_heads)
-    intermediate_size: int = 1024  # source=init: MLP width
+    # source=init: width (eagle3: None, the target's width)
+    hidden_size: int | None = field(default=256, metadata=AT_LEAST_1)
+    num_layers: int = field(default=2, metadata=AT_LEAST_1)  # source=init: transformer layers
+    num_heads: int = field(default=4, metadata=AT_LEAST_1)  # source=init: attention heads
+    # source=init: key/value heads (None: num_heads)
+    num_kv_heads: int | None = field(default=None, metadata=AT_LEAST_1)
+    # source=init: per-head width (None: hidden_size / num_heads)
+    head_dim: int | None = field(default=None, metadata=AT_LEAST_1)
+    intermediate_size: int = field(default=1024, metadata=AT_LEAST_1)  # source=init: MLP width
     hidden_act: str = "silu"  # source=init: MLP activation
-    rms_norm_eps: float = 1e-6  # source=init: RMSNorm epsilon
-    max_position_embeddings: int = 2048  # source=init: longest sequence
+    rms_norm_eps: float = field(default=1e-6, metadata=ABOVE_0)  # source=init: RMSNorm epsilon
+    max_position_embeddings: int = field(default=2048, metadata=AT_LEAST_1)  # source=init: longest sequence
     tie_word_embeddings: bool = True  # source=init: the output layer shares the embedding matrix
     # Predict only the N most frequent target token ids of the training data (None: full vocab).
-    reduced_vocab: int | None = None
+    reduced_vocab: int | None = field(default=None, metadata=AT_LEAST_1)
     # source=init: embedding rows start from the target's own, projected to hidden_size (principal directions)
     embeddings_from_target: bool = False
     # source=init: start this shape from these weights (hub id or folder; paper-vicuna: double7/vicuna-68m), not random
@@ -190,7 +228,8 @@ class DrafterConfig:
     # eagle3: the target layers it reads, in vLLM's convention (id i: the input of decoder layer i; None: vLLM's
     # default 2, N // 2, N - 3 of an N-layer target)
     aux_layer_ids: list[int] | None = None
-    ttt_steps: int = 3  # eagle3: draft steps trained from the head's own outputs (training-time test)
+    # eagle3: draft steps trained from the head's own outputs (training-time test)
+    ttt_steps: int = field(default=3, metadata=AT_LEAST_1)
     # eagle3: its loss against the target's distribution over the draft vocabulary, in pretrain and finetune (the
     # standalone drafters' train.*.loss does not apply): forward KL, total variation, or ce on the sampled tokens
     loss: Loss | None = None
@@ -232,8 +271,8 @@ class HubSourceConfig:
     heldout_split: str | None = None  # the held-out prompts' split; None: test, else validation (wmt19 zh-en)
     file: str | None = None  # for languages distributed outside the hub (JParaCrawl)
     # a TSV file's 0-based columns of the source and the reference (None: src<TAB>ref)
-    src_column: int | None = None
-    ref_column: int | None = None  # see src_column
+    src_column: int | None = field(default=None, metadata=AT_LEAST_0)
+    ref_column: int | None = field(default=None, metadata=AT_LEAST_0)  # see src_column
 
 
 @dataclass
@@ -257,7 +296,8 @@ class LangConfig:
 @dataclass
 class CorpusConfig:
     name: str = MISSING  # sharegpt | c4
-    weight: float = 1.0  # share of the pretraining TOKENS while the corpus lasts (mixed by tokens)
+    # share of the pretraining TOKENS while the corpus lasts (mixed by tokens)
+    weight: float = field(default=1.0, metadata=ABOVE_0)
     hub_dataset: str | None = None  # c4: allenai/c4 (streaming)
     hub_subset: str | None = None  # c4: en
 
@@ -266,31 +306,26 @@ class CorpusConfig:
 class DataConfig:
     sources: SourceKind = SourceKind.offline
     source_file: str | None = None  # for sources=file: JSONL {"src":..,"ref":..} or TSV src<TAB>ref
-    min_chars: int = 20  # shortest source segment kept
-    max_chars: int = 400  # longest source segment kept
+    min_chars: int = field(default=20, metadata=AT_LEAST_0)  # shortest source segment kept
+    max_chars: int = field(default=400, metadata=AT_LEAST_1)  # longest source segment kept
     # offline and file sources (hub ones have a held-out split): share of the prompts held out
-    heldout_fraction: float = 0.15
-    heldout_max: int = 100  # at most this many held-out prompts
-    max_train_prompts: int | None = None  # cap on training prompts (None: all)
+    heldout_fraction: float = field(default=0.15, metadata=BELOW_1)
+    heldout_max: int = field(default=100, metadata=AT_LEAST_1)  # at most this many held-out prompts
+    max_train_prompts: int | None = field(default=None, metadata=AT_LEAST_1)  # cap on training prompts (None: all)
     # offline sources: this many ShareGPT segments in the target language, translated into the source
     # language by the target itself (pipeline/data/back_translation.py), become extra training prompts
-    back_translation: int = 0
+    back_translation: int = field(default=0, metadata=AT_LEAST_0)
     # pretraining mixture (c4, sharegpt), mixed by tokens at their weights; an exhausted corpus leaves the rest to go on
     pretrain_corpora: list[CorpusConfig] = field(default_factory=lambda: [CorpusConfig(name="sharegpt")])
-    pretrain_max_documents: int | None = None  # cap on pretraining documents (None: the token budget decides)
+    # cap on pretraining documents (None: the token budget decides)
+    pretrain_max_documents: int | None = field(default=None, metadata=AT_LEAST_1)
 
     @staticmethod
     def check(section: DictConfig, key: str) -> list[str]:
         problems = []
-        if any(corpus.weight <= 0 for corpus in section.pretrain_corpora):
-            problems.append(f"{key}.pretrain_corpora: every weight must be > 0 (a share of the pretraining tokens)")
-        if not 0 <= section.heldout_fraction < 1:
-            problems.append(f"{key}.heldout_fraction must be in [0, 1)")
         if section.sources == SourceKind.file and not section.source_file:
             problems.append(f"{key}.sources=file needs {key}.source_file")
-        if section.back_translation < 0:
-            problems.append(f"{key}.back_translation must be >= 0")
-        elif section.back_translation and section.sources != SourceKind.offline:
+        if section.back_translation and section.sources != SourceKind.offline:
             problems.append(f"{key}.back_translation works on offline sources (ShareGPT); set {key}.back_translation=0")
         return problems
 
@@ -299,58 +334,52 @@ class DataConfig:
 class ServerConfig:
     # an external OpenAI-compatible endpoint (its key from $OPENAI_API_KEY); None: start vLLM here
     url: str | None = None
-    startup_timeout_s: float = 600.0  # how long to wait for the local vLLM server
+    startup_timeout_s: float = field(default=600.0, metadata=ABOVE_0)  # how long to wait for the local vLLM server
     # None: target.dtype (vLLM's auto would serve float32 and float16 configs in half precision)
     dtype: str | None = None
-    tensor_parallel: int = 1  # GPUs per replica (--tensor-parallel-size): a target larger than one GPU
+    # GPUs per replica (--tensor-parallel-size): a target larger than one GPU
+    tensor_parallel: int = field(default=1, metadata=AT_LEAST_1)
     # distill's replicas (vLLM's --data-parallel-size, one endpoint balancing requests over them; the vLLM eval runs
     # one); auto: visible GPUs // tensor_parallel, 1 without a GPU (external distill.server.url: give its count)
     data_parallel: Any = "auto"
-    port: int | None = None  # preferred port of the local server; None (or taken): a free one
-    cpu_kvcache_gb: int = 2  # VLLM_CPU_KVCACHE_SPACE of the CPU build
+    # preferred port of the local server; None (or taken): a free one
+    port: int | None = field(default=None, metadata=PORT)
+    cpu_kvcache_gb: int = field(default=2, metadata=AT_LEAST_0)  # VLLM_CPU_KVCACHE_SPACE of the CPU build
     enforce_eager: bool = True  # no graph capture: right on CPU; GPU recipes set false for CUDA graphs
     extra_args: list[str] = field(default_factory=list)  # more vllm serve arguments
 
     @staticmethod
     def check(section: DictConfig, key: str) -> list[str]:
-        problems = []
-        if section.tensor_parallel < 1:
-            problems.append(f"{key}.tensor_parallel must be >= 1")
         if not _positive_or_auto(section.data_parallel):
-            problems.append(f"{key}.data_parallel must be a positive integer or auto, not {section.data_parallel}")
-        return problems
+            return [f"{key}.data_parallel must be a positive integer or auto, not {section.data_parallel}"]
+        return []
 
 
 @dataclass
 class DistillConfig:
     # every prompt is answered at each of these
-    temperatures: list[float] = field(default_factory=lambda: [0.0, 0.3, 0.7, 1.0])
-    samples_per_prompt: int = 1  # answers per prompt and temperature
-    max_tokens: int = 256  # longest answer
-    top_logprobs: int = 0  # store the top-N log-probabilities per token (0: none)
-    concurrency_per_replica: int = 32  # requests in flight per server replica (x distill.server.data_parallel in all)
-    request_timeout_s: float = 300.0  # one request's time limit
-    max_retries: int = 5  # retries of a failed request (transient errors)
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 0.3, 0.7, 1.0], metadata=AT_LEAST_0)
+    samples_per_prompt: int = field(default=1, metadata=AT_LEAST_1)  # answers per prompt and temperature
+    max_tokens: int = field(default=256, metadata=AT_LEAST_1)  # longest answer
+    top_logprobs: int = field(default=0, metadata=AT_LEAST_0)  # store the top-N log-probabilities per token (0: none)
+    # requests in flight per server replica (x distill.server.data_parallel in all)
+    concurrency_per_replica: int = field(default=32, metadata=AT_LEAST_1)
+    request_timeout_s: float = field(default=300.0, metadata=ABOVE_0)  # one request's time limit
+    max_retries: int = field(default=5, metadata=AT_LEAST_0)  # retries of a failed request (transient errors)
     # share of the records a stage may lack after requests the server rejected (HTTP 400...) and still be
     # COMPLETE; above it the stage fails and a rerun asks the missing ones again
-    max_failed_share: float = 0.01
-    seed: int = 0  # sampling seed of the requests
+    max_failed_share: float = field(default=0.01, metadata=BELOW_1)
+    seed: int = field(default=0, metadata=AT_LEAST_0)  # sampling seed of the requests
     # jobs of a Slurm array (slurm/submit.sh --distill-shards N): each answers a disjoint slice of the prompts (by
     # prompt id) into a stage directory of its own; finetune and scaling read all num_shards as one set
-    num_shards: int = 1
-    shard: int = 0  # this job's slice: 0 <= shard < num_shards
+    num_shards: int = field(default=1, metadata=AT_LEAST_1)
+    shard: int = field(default=0, metadata=AT_LEAST_0)  # this job's slice: 0 <= shard < num_shards
     server: ServerConfig = field(default_factory=ServerConfig)
 
     @staticmethod
     def check(section: DictConfig, key: str) -> list[str]:
         problems = []
-        if not 0 <= section.max_failed_share < 1:
-            problems.append(
-                f"{key}.max_failed_share must be in [0, 1): the share of records a complete distill may lack"
-            )
-        if section.concurrency_per_replica < 1:
-            problems.append(f"{key}.concurrency_per_replica must be >= 1")
-        if section.num_shards < 1 or not 0 <= section.shard < section.num_shards:
+        if section.shard >= section.num_shards:
             problems.append(
                 f"{key}.shard={section.shard} of {key}.num_shards={section.num_shards}: "
                 "need num_shards >= 1 and 0 <= shard < num_shards"
@@ -364,14 +393,14 @@ class ParallelDraftConfig:
     forward, from the context followed by k - 1 mask tokens; eval and vLLM then draft K <= k tokens per forward."""
 
     enabled: bool = False  # train the drafter to draft in parallel (off: autoregressive drafting, as before)
-    k: int = 8  # draft positions learned: the largest K the drafter serves
+    k: int = field(default=8, metadata=AT_LEAST_1)  # draft positions learned: the largest K the drafter serves
     # conditional drop: mask segment i (1..k-1) keeps a share max(retention^i, min_retention) of the positions
     # (nested: a kept mask's chain to its context is kept), so a step costs at most ~3.4x SFT's tokens at k=8, not 8x
-    retention: float = 0.7
-    min_retention: float = 0.2  # the share every later mask segment keeps at least
+    retention: float = field(default=0.7, metadata=SHARE)
+    min_retention: float = field(default=0.2, metadata=SHARE)  # the share every later mask segment keeps at least
     # the mask token of a full-vocabulary drafter: a target id the data never uses (None: the tokenizer's unk, an
     # unused special token or a padding row); a reduced vocabulary's gets an id of its own
-    mask_token: int | None = None
+    mask_token: int | None = field(default=None, metadata=AT_LEAST_0)
 
     @staticmethod
     def check(section: DictConfig, key: str) -> list[str]:
@@ -385,21 +414,25 @@ class ParallelDraftConfig:
 
 @dataclass
 class TrainConfig:
-    lr: float = 3e-4  # peak learning rate (AdamW, cosine decay)
-    weight_decay: float = 0.0  # AdamW weight decay
-    warmup_ratio: float = 0.03  # share of the steps spent warming up linearly
-    epochs: float = 1.0  # passes over the data
-    max_steps: int | None = None  # cap on optimizer steps (None: epochs and token_budget decide)
+    lr: float = field(default=3e-4, metadata=ABOVE_0)  # peak learning rate (AdamW, cosine decay)
+    weight_decay: float = field(default=0.0, metadata=AT_LEAST_0)  # AdamW weight decay
+    warmup_ratio: float = field(default=0.03, metadata=BELOW_1)  # share of the steps spent warming up linearly
+    epochs: float = field(default=1.0, metadata=ABOVE_0)  # passes over the data
+    # cap on optimizer steps (None: epochs and token_budget decide)
+    max_steps: int | None = field(default=None, metadata=AT_LEAST_1)
     # tokens read and trained on: pretraining reads this many from its corpora; caps steps at
     # budget / (batch_size * max_length)
-    token_budget: int | None = None
-    batch_size: int = 8  # sequences per optimizer step over ALL processes: split into grad_accum x num_processes
-    grad_accum: int = 1  # micro-batches per optimizer step
-    max_length: int = 512  # tokens per training sequence
-    grad_clip: float = 1.0  # gradient-norm clip
+    token_budget: int | None = field(default=None, metadata=AT_LEAST_1)
+    # sequences per optimizer step over ALL processes: split into grad_accum x num_processes
+    batch_size: int = field(default=8, metadata=AT_LEAST_1)
+    grad_accum: int = field(default=1, metadata=AT_LEAST_1)  # micro-batches per optimizer step
+    max_length: int = field(default=512, metadata=AT_LEAST_1)  # tokens per training sequence
+    grad_clip: float = field(default=1.0, metadata=AT_LEAST_0)  # gradient-norm clip (0: none)
     mixed_precision: MixedPrecision = MixedPrecision.no  # autocast of the training step
-    log_every: int = 10  # steps between logged metrics
-    save_every: int = 200  # steps between checkpoints
+    log_every: int = field(default=10, metadata=AT_LEAST_1)  # steps between logged metrics
+    # steps between checkpoints, or auto: every 200 steps, or every steps/50 in a run of more than 10,000 (at most 50
+    # checkpoints: a ZeRO checkpoint costs seconds); a preemption and the last step checkpoint too
+    save_every: Any = "auto"
     resume: ResumeMode = ResumeMode.auto  # whether a rerun continues from a checkpoint
     launch: str = "single"  # recipes/launch/<launch>.yaml
     # processes over all nodes, or auto: every local GPU (times SLURM_NNODES in a multi-node job), 1 without one
@@ -410,8 +443,8 @@ class TrainConfig:
     def check(section: DictConfig, key: str) -> list[str]:
         tc = section
         problems = ParallelDraftConfig.check(tc.parallel_draft, f"{key}.parallel_draft")
-        if not 0 <= tc.warmup_ratio < 1:
-            problems.append(f"{key}.warmup_ratio must be in [0, 1)")
+        if not _positive_or_auto(tc.save_every):
+            problems.append(f"{key}.save_every must be a positive integer or auto, not {tc.save_every}")
         if not _positive_or_auto(tc.num_processes):
             problems.append(f"{key}.num_processes must be a positive integer or auto, not {tc.num_processes}")
         elif tc.num_processes != "auto" and tc.batch_size % (tc.grad_accum * tc.num_processes):
@@ -429,27 +462,19 @@ class OnPolicyConfig:
     # run the phase after SFT (off: it did not pay on CPU, docs/results/2026-11-24-on-policy-de-en.md)
     enabled: bool = False
     # each: steps_per_round rollout -> score -> train steps, then a checkpoint and the held-out estimate
-    rounds: int = 4
-    steps_per_round: int = 25  # optimizer steps per round
-    batch_size: int = 16  # rollouts per optimizer step
-    rollout_tokens: int = 16  # drafted tokens per rollout (fewer where the drafter ends its answer)
-    rollout_temperature: float = 1.0  # 0: greedy rollouts (the states a T=0 decode meets)
+    rounds: int = field(default=4, metadata=AT_LEAST_1)
+    steps_per_round: int = field(default=25, metadata=AT_LEAST_1)  # optimizer steps per round
+    batch_size: int = field(default=16, metadata=AT_LEAST_1)  # rollouts per optimizer step
+    # drafted tokens per rollout (fewer where the drafter ends its answer)
+    rollout_tokens: int = field(default=16, metadata=AT_LEAST_1)
+    # 0: greedy rollouts (the states a T=0 decode meets)
+    rollout_temperature: float = field(default=1.0, metadata=AT_LEAST_0)
     # Rollouts start after a uniformly drawn prefix of the target's distilled answer (else after the prompt)
     from_answer_prefix: bool = True
     divergence: Divergence = Divergence.total_variation
-    lr: float = 1.0e-4  # learning rate of the alignment
-    heldout_prompts: int = 16  # distilled prompts neither SFT nor the alignment trains on: the per-round estimate
-
-    @staticmethod
-    def check(section: DictConfig, key: str) -> list[str]:
-        op, problems = section, []
-        if op.enabled and min(op.rounds, op.steps_per_round, op.batch_size, op.rollout_tokens, op.heldout_prompts) < 1:
-            problems.append(
-                f"{key}: rounds, steps_per_round, batch_size, rollout_tokens and heldout_prompts must be >= 1"
-            )
-        if op.rollout_temperature < 0:
-            problems.append(f"{key}.rollout_temperature must be >= 0")
-        return problems
+    lr: float = field(default=1.0e-4, metadata=ABOVE_0)  # learning rate of the alignment
+    # distilled prompts neither SFT nor the alignment trains on: the per-round estimate
+    heldout_prompts: int = field(default=16, metadata=AT_LEAST_1)
 
 
 @dataclass
@@ -462,7 +487,7 @@ class FinetuneConfig(TrainConfig):
     specialize_vocab: bool = True
     # train on this share of the distilled prompts (all their answers), drawn in an order fixed by the seed so
     # a smaller share's prompts are inside a larger one's: nested data-scaling runs (make scaling)
-    data_fraction: float = 1.0
+    data_fraction: float = field(default=1.0, metadata=SHARE)
     # pack each micro-batch's examples into rows of max_length tokens, each attending to itself only (block
     # diagonal): a GPU computes thousands of tokens, not a few padded rows; the loss is the unpacked one
     pack: bool = False
@@ -476,9 +501,7 @@ class FinetuneConfig(TrainConfig):
                 f"{key}.on_policy aligns an autoregressive drafter's rollouts; it does not train "
                 "parallel drafting: turn one of them off"
             )
-        if not 0 < section.data_fraction <= 1:
-            problems.append(f"{key}.data_fraction must be in (0, 1]: the share of the distilled prompts trained on")
-        return problems + OnPolicyConfig.check(section.on_policy, f"{key}.on_policy")
+        return problems
 
 
 @dataclass
@@ -495,18 +518,20 @@ class TrainGroupConfig:
 
 @dataclass
 class EvalConfig:
-    num_draft_tokens: int = 4  # K
+    num_draft_tokens: int = field(default=4, metadata=AT_LEAST_1)  # K
     # Dynamic draft length: a round's draft stops before a token the drafter gives less probability (0: always K).
-    draft_confidence: float = 0.0
-    k_sweep: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8])  # draft lengths of the K sweep
-    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])  # sampling temperatures measured
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])  # sampling seeds at T>0
-    top_p: float = 1.0  # nucleus sampling of target and drafter (distill uses it too)
-    top_k: int = 0  # top-k sampling (0: off; distill uses it too)
-    max_new_tokens: int = 128  # tokens generated per prompt
-    num_prompts: int = 50  # held-out prompts measured
-    repetitions: int = 3  # timed repetitions per method
-    warmup: int = 1  # untimed runs before timing
+    draft_confidence: float = field(default=0.0, metadata=BELOW_1)
+    # draft lengths of the K sweep
+    k_sweep: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8], metadata=AT_LEAST_1)
+    # sampling temperatures measured
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0], metadata=AT_LEAST_0)
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata=AT_LEAST_0)  # sampling seeds at T>0
+    top_p: float = field(default=1.0, metadata=SHARE)  # nucleus sampling of target and drafter (distill uses it too)
+    top_k: int = field(default=0, metadata=AT_LEAST_0)  # top-k sampling (0: off; distill uses it too)
+    max_new_tokens: int = field(default=128, metadata=AT_LEAST_1)  # tokens generated per prompt
+    num_prompts: int = field(default=50, metadata=AT_LEAST_1)  # held-out prompts measured
+    repetitions: int = field(default=3, metadata=AT_LEAST_1)  # timed repetitions per method
+    warmup: int = field(default=1, metadata=AT_LEAST_0)  # untimed runs before timing
     methods: list[EvalMethod] = field(default_factory=lambda: list(EvalMethod))  # the decoding methods timed
     drafter_path: str | None = None  # any HF folder instead of the finetune stage's drafter
     matrix_langs: list[str] = field(default_factory=list)  # cross-language: evaluate on these pairs too
@@ -520,7 +545,7 @@ class EvalConfig:
     processes: Any = "auto"
     # Greedy gate in bf16/fp16: a divergence from the target-only tokens is a numerical tie when the target's
     # top-2 logit gap at the first diverging token is below this (float32 targets: exact, no tolerance)
-    tie_tolerance: float = 0.5
+    tie_tolerance: float = field(default=0.5, metadata=AT_LEAST_0)
     # Half-precision dtypes tried for a float32 target where the device multiplies them natively (CPU
     # AVX512-BF16/AMX, AVX512-FP16; CUDA): every method, baseline included, decodes in the one whose verify of
     # K+1 tokens is fastest and whose one-token step is no slower (pipeline/speculative/costs.py); half
@@ -533,8 +558,6 @@ class EvalConfig:
     @staticmethod
     def check(section: DictConfig, key: str) -> list[str]:
         ev, problems = section, []
-        if ev.num_draft_tokens < 1:
-            problems.append(f"{key}.num_draft_tokens (K) must be >= 1")
         if not DEVICE_SPEC.fullmatch(ev.device):
             problems.append(f"{key}.device={ev.device} is not a device; use auto, cpu, cuda or cuda:N")
         if not _positive_or_auto(ev.processes):
@@ -543,12 +566,6 @@ class EvalConfig:
             problems.append(
                 f"{key}.dtype_candidates: {', '.join(map(str, unknown))} not a half-precision dtype; "
                 "valid: bfloat16, float16"
-            )
-        if ev.tie_tolerance < 0:
-            problems.append(f"{key}.tie_tolerance must be >= 0 (a top-2 logit gap)")
-        if not 0 <= ev.draft_confidence < 1:
-            problems.append(
-                f"{key}.draft_confidence must be in [0, 1): the drafter probability below which a draft stops"
             )
         sources = [pair.split("-")[0] for pair in ev.router_langs]
         if ev.router_langs and (len(sources) < 2 or len(set(sources)) < len(sources)):
@@ -562,11 +579,7 @@ class EvalConfig:
 class ExportConfig:
     # held-out prompts of the export's smoke check: greedy output with the exported drafter equals the target's
     # own, and its T=1 acceptance equals our engine's with the same drafter (eval.seeds, K, max_new_tokens)
-    num_prompts: int = 8
-
-    @staticmethod
-    def check(section: DictConfig, key: str) -> list[str]:
-        return [f"{key}.num_prompts must be >= 1"] if section.num_prompts < 1 else []
+    num_prompts: int = field(default=8, metadata=AT_LEAST_1)
 
 
 @dataclass
@@ -579,7 +592,7 @@ class ScalingConfig:
     # (not by default: it did not pay, docs/results/2026-11-24-on-policy-de-en.md)
     series: list[ScalingSeries] = field(default_factory=lambda: [ScalingSeries.pf, ScalingSeries.f_only])
     # held-out prompts of the eval stage whose greedy target answers every drafter reads (teacher-forced measure)
-    heldout_prompts: int = 32
+    heldout_prompts: int = field(default=32, metadata=AT_LEAST_1)
     # points also measured by the eval stage (target vs speculative, first seed): <series>@<fraction> or pretrained
     anchors: list[str] = field(default_factory=lambda: ["pf@1", "pretrained"])
 
@@ -595,8 +608,6 @@ class ScalingConfig:
             problems.append(
                 f"{key}.anchors: {', '.join(unknown)} not among the points; valid: {', '.join(sorted(points))}"
             )
-        if section.heldout_prompts < 1:
-            problems.append(f"{key}.heldout_prompts must be >= 1")
         return problems
 
 
@@ -621,7 +632,7 @@ class PathsConfig:
 class Config:
     recipe: str = MISSING  # the recipe's name; set by recipe=NAME on the command line, its file sets this field
     run: str = "${recipe}"  # the variant's name in the finetune and eval folders (pipeline/rundir.py)
-    seed: int = 0  # seeds data order, drafter init and sampling
+    seed: int = field(default=0, metadata=AT_LEAST_0)  # seeds data order, drafter init and sampling
     force: bool = False  # redo a stage whose directory is complete for this config
     needs_gpu: bool = False  # the recipe is sized for GPUs: slurm/submit.sh refuses it with --gpus-per-node 0
     # the KEY=VALUE overrides it was composed with (recipe, lang and force aside): the commands that messages and

@@ -7,10 +7,12 @@ processes (token-weighted, so padding and prompt masks never skew it).
 
 Data order is a permutation of the examples seeded by (seed, epoch); a checkpoint (accelerate's
 ``save_state``: model, optimizer, scheduler, RNG states; plus the step, which fixes the data position)
-is written every ``save_every`` steps and on SIGTERM/SIGUSR1, after which the process exits with
-``EXIT_PREEMPTED`` and the stage stays incomplete. ``resume=auto`` continues from the latest
-checkpoint and reproduces the uninterrupted run's losses exactly where the arithmetic is reproducible (on the
-CPU: Intel MKL with ``MKL_CBWR=COMPATIBLE``, or one thread; docs/design.md, Tests).
+is written every ``save_every`` steps (auto: at most ``MAX_CHECKPOINTS`` in a run, checkpoint_interval), at the
+last step, and on SIGTERM/SIGUSR1, after which the process exits with ``EXIT_PREEMPTED`` and the stage stays
+incomplete; the log's lines are put on the disk (its ``sync``, MetricsLog's) before a checkpoint is declared.
+``resume=auto`` continues from the latest checkpoint and reproduces the uninterrupted run's losses exactly where the
+arithmetic is reproducible (on the CPU: Intel MKL with ``MKL_CBWR=COMPATIBLE``, or one thread; docs/design.md,
+Tests).
 
 A step never waits for the device on the host: batches are copied from pinned memory without blocking,
 the positions the LM head runs at come from the collator, the processes agree on a preemption over a
@@ -51,6 +53,10 @@ from pipeline.workers import EXIT_PREEMPTED, preemption_signals
 
 CHECKPOINTS = "checkpoints"
 STEP_FILE = "step.json"  # written last: a checkpoint without it is incomplete
+# save_every=auto: a checkpoint every AUTO_SAVE_EVERY steps, further apart in a run too long for MAX_CHECKPOINTS
+# (a ZeRO-2 checkpoint of a 68M drafter is ~1 GB, barriers and an fsync of every file by every rank)
+AUTO_SAVE_EVERY = 200
+MAX_CHECKPOINTS = 50
 
 
 class Preempted(SystemExit):
@@ -210,6 +216,19 @@ def plan_steps(tc: DictConfig, examples: int, world: int) -> tuple[int, int, int
     return local_batch, steps_per_epoch, total_steps
 
 
+def checkpoint_interval(save_every: int | str, total_steps: int) -> int:
+    """Steps between checkpoints: ``save_every``, or for auto AUTO_SAVE_EVERY, widened to total_steps /
+    MAX_CHECKPOINTS (rounded up) in a longer run, so that with the last step's there are at most MAX_CHECKPOINTS."""
+    if save_every != "auto":
+        return save_every
+    return max(AUTO_SAVE_EVERY, math.ceil(total_steps / MAX_CHECKPOINTS))
+
+
+def checkpoint_due(step: int, interval: int, total_steps: int) -> bool:
+    """Whether ``step`` ends with a checkpoint (a preemption's aside): every ``interval`` steps and the last."""
+    return step % interval == 0 or step == total_steps
+
+
 def resume(
     tc: DictConfig, accelerator: Accelerator, scheduler, out_dir: Path, writer: dict, total_steps: int
 ) -> tuple[int, int, float]:
@@ -314,12 +333,15 @@ def train(
     supervised positions, their count, input tokens), then, for an objective with ``part_names``, a (parts, 2)
     tensor of each part's loss sum and count, logged as ``loss_<part>``; default: ``tc.loss`` on the labels.
     ``sample_seed`` is fixed by (seed, step, micro-batch, rank), so an objective that samples resumes reproducibly.
+    ``log`` (on the main process) may write its lines lazily: its ``sync()``, if it has one, runs before each
+    checkpoint is declared, so no resume continues after a line a crash lost.
     ``evaluate(model)``, if given, runs at every checkpoint step and its metrics join that step's log line."""
     # .value: str() of a (str, Enum) member is its qualified name, which accelerate refuses
     accelerator = Accelerator(mixed_precision=tc.mixed_precision.value, gradient_accumulation_steps=tc.grad_accum)
     objective = objective or supervised_objective(Loss(tc.get("loss", Loss.ce)))  # pretraining has no KD option
     world = accelerator.num_processes
     local_batch, steps_per_epoch, total_steps = plan_steps(tc, len(examples), world)
+    save_every = checkpoint_interval(tc.save_every, total_steps)
     if accelerator.state.deepspeed_plugin is not None:  # DeepSpeed sizes its buffers by batch; it sees no DataLoader
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = local_batch
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, fused=True)
@@ -365,7 +387,7 @@ def train(
             bar.update(1)
 
             stop = preempted(received)
-            checkpoint_now = stop or step % tc.save_every == 0 or step == total_steps
+            checkpoint_now = stop or checkpoint_due(step, save_every, total_steps)
             if checkpoint_now or step % tc.log_every == 0:
                 tokens_seen = tokens_before + int(accelerator.reduce(local_inputs, "sum").item())
             if step % tc.log_every == 0 or checkpoint_now:
@@ -379,6 +401,8 @@ def train(
                 if accelerator.is_main_process:
                     log(metrics, step)
             if checkpoint_now:
+                if accelerator.is_main_process and hasattr(log, "sync"):  # its lines up to here, before step.json
+                    log.sync()
                 save_checkpoint(
                     accelerator, out_dir, {"step": step, "tokens_seen": tokens_seen, "loss": last_loss, **writer}
                 )

@@ -191,6 +191,21 @@ def phase_config(tc: DictConfig) -> DictConfig:
     )
 
 
+class PhaseLog:
+    """The finetune's log in the alignment phase: ``on_policy/<metric>`` at the steps after ``first_step`` (SFT's
+    last); its ``sync`` is the finetune log's, so the loop puts the phase's lines on the disk at its checkpoints."""
+
+    def __init__(self, log: Callable[[dict, int], None], first_step: int):
+        self.log, self.first_step = log, first_step
+
+    def __call__(self, metrics: dict, step: int) -> None:
+        self.log({f"on_policy/{k}": v for k, v in metrics.items()}, self.first_step + step)
+
+    def sync(self) -> None:
+        if hasattr(self.log, "sync"):
+            self.log.sync()
+
+
 def align(
     tc: DictConfig,
     model,
@@ -218,7 +233,7 @@ def align(
         examples,
         Collator(pad_id, None),
         out_dir,
-        lambda metrics, step: log({f"on_policy/{k}": v for k, v in metrics.items()}, first_step + step),
+        PhaseLog(log, first_step),
         seed,
         objective=objective,
         evaluate=held_out,
