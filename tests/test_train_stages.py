@@ -320,6 +320,41 @@ def test_finetune_only_with_a_reduced_vocabulary(distilled):
     assert counts["drafter_vocab"] == 513 and counts["label_coverage"] == 1.0  # 512 ids cover these records
 
 
+def test_finetune_tokenizes_the_same_records_once_for_requeues_reruns_and_other_runs(distilled, tmp_path, monkeypatch):
+    """The examples are cached by what determines them: a requeue (the same stage folder) and another run of the same
+    data (an lr sweep's folder) read them, linked, not copied; a max_length, data fraction or KD loss tokenizes anew."""
+    from pipeline.stages import finetune
+
+    tokenized = []
+    tokenize_records = finetune.finetune_examples
+    monkeypatch.setattr(
+        finetune,
+        "finetune_examples",
+        lambda records, *args: tokenized.append(len(records)) or tokenize_records(records, *args),
+    )
+
+    def tokenize(*extra, run="tokenize-once"):
+        args = overrides(distilled, f"run={run}", "train.finetune.mode=finetune_only", f"paths.cache_dir={tmp_path}")
+        cfg = compose_config([*args, *extra])
+        return finetune.tokenize(cfg, stage_dir(cfg, "finetune")), stage_dir(cfg, "finetune").path / finetune.EXAMPLES
+
+    counts, examples = tokenize()
+    assert tokenized == [16, 0]  # the training records, the held-out ones
+    assert counts == {"records": 16, "prompts": 8, "temperatures": [0.0, 1.0]}
+    written = examples.stat()
+    assert tokenize() == (counts, examples) and tokenized == [16, 0]  # requeued: read, not tokenized again
+    assert (examples.stat().st_ino, examples.stat().st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
+    other_counts, other = tokenize("train.finetune.lr=1e-4", run="lr-1e-4")
+    assert other != examples and other.stat().st_ino == written.st_ino and tokenized == [16, 0]  # one file, linked
+    assert other_counts == counts
+    tokenize("train.finetune.max_length=64")
+    tokenize("train.finetune.data_fraction=0.5")
+    assert tokenized == [16, 0, 16, 0, 8, 0]
+    kd, _ = tokenize("train.finetune.loss=kd_forward_kl")
+    assert tokenized[-2:] == [16, 0] and "teacher_coverage" in kd
+    assert len(list((tmp_path / "finetune-examples").iterdir())) == 4 * 2  # four caches, each with its lock
+
+
 PARALLEL = [
     "train.finetune.log_every=1",
     "train.finetune.parallel_draft.enabled=true",
