@@ -95,8 +95,8 @@ def cached_examples(cfg: DictConfig, directory: StageDir) -> Path:
         "format": 1,  # raise it when the same records make other examples (record_example, save_examples)
     }
     folder = cache_folder(cfg.paths.cache_dir, "finetune-examples", key)
-    if not fill_cache(folder, COUNTS, lambda partial: write_examples(cfg, distill, tokenizer, partial)):
-        print(f"finetune: examples tokenized before, read from {folder}")
+    wrote = fill_cache(folder, COUNTS, lambda partial: write_examples(cfg, distill, tokenizer, partial))
+    print(f"finetune: the records {'tokenized into' if wrote else 'tokenized before, read from'} {folder}")
     return folder
 
 
@@ -129,7 +129,6 @@ def write_examples(cfg: DictConfig, distill: StageDir, tokenizer, folder: Path) 
     if strings is not None:
         counts["teacher_coverage"] = round(teacher_coverage(examples), 4)
     (folder / COUNTS).write_text(json.dumps(counts) + "\n")  # written last: the cache is whole
-    print(f"finetune: tokenized {len(records) + len(heldout)} records into {folder}")
 
 
 def train(cfg: DictConfig, directory: StageDir, log: MetricsLog) -> dict:
