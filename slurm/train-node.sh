@@ -27,7 +27,12 @@ from pipeline.device import check_slurm_gpus
 from pipeline.prepare import offline_when_prepared
 from pipeline.registry import REGISTRY
 from importlib import import_module
+from pipeline.models.provision import load_tokenizer, model_path
+from pipeline.rundir import stage_dir
+from pipeline.stages.finetune import cached_examples
+from pipeline.training.data import write_pretrain_tokens
 from pipeline.training.launch import accelerate_command, launch_env
+from pipeline.workers import exit_on_preemption
 stage, config_file, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
 os.umask(0o077)  # the config file in a shared TMPDIR: readable by this user only
 try:  # the checks the stage makes on node 0; the hub stays off here too once `make prepare` cached everything
@@ -35,6 +40,15 @@ try:  # the checks the stage makes on node 0; the hub stays off here too once `m
     check_slurm_gpus()
     offline_when_prepared(cfg)
     OmegaConf.save(cfg, config_file, resolve=True)
+    # The data node 0 tokenizes before its launch: tokenized here or, under the cache'\''s lock, waited for, here and
+    # not in torchrun'\''s rendezvous, whose store gives up after 600 s (C4, a large distill set take longer); a
+    # requeued job finds it cached. Preempted meanwhile: exit 75, as node 0'\''s stage.
+    with exit_on_preemption(f"{stage}: this node stopped before its training started"):
+        if stage == "finetune":
+            cached_examples(cfg, stage_dir(cfg, stage))
+        elif stage == "pretrain":
+            tokenizer = load_tokenizer(model_path(cfg.target, cfg.paths.models_dir))
+            write_pretrain_tokens(cfg, tokenizer, cfg.train.pretrain.token_budget)
     # exec'\''d into the reaper below, so it watches this node'\''s shell (the srun task), not itself
     train = import_module(REGISTRY[stage].module).train
     command = accelerate_command(cfg, stage, train, config_file, stage_pid=os.getppid())

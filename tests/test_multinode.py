@@ -2,7 +2,8 @@
 per "node", with the SLURM_* variables srun gives each node (node 0 runs the stage, node 1 only its
 accelerate workers; each its own machine rank of recipes/launch/deepspeed-zero2.yaml's rendezvous). A run
 stopped as Slurm stops a job near its time limit (srun relays SIGUSR1 to every process of its step) and
-started again resumes to the uninterrupted run's losses."""
+started again resumes to the uninterrupted run's losses. A two-node DDP finetune, stopped so and requeued,
+tokenizes its records once over both jobs and both nodes."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import psutil
 import pytest
 
 from pipeline.config import REPO_ROOT, compose_config
+from pipeline.models.provision import load_tokenizer
+from pipeline.prompts import build_prompt
 from pipeline.rundir import MARKER, stage_dir
 from pipeline.serving.server import free_port
 from pipeline.training.launch import read_metrics
@@ -36,18 +39,28 @@ TRAIN = [
 ]
 
 
-def args(runs_dir: Path) -> list[str]:
+# F-only (no pretrain to wait for), 2 DDP processes in a gloo group, one per node.
+FINETUNE = [
+    "train.finetune.mode=finetune_only",
+    "train.finetune.launch=ddp-cpu",
+    "train.finetune.num_processes=2",
+    "train.finetune.log_every=1",
+    "train.finetune.max_steps=20",
+]
+
+
+def args(runs_dir: Path, stage: str = "pretrain") -> list[str]:
     return [
         "recipe=ci",
         "logger=none",
         f"paths.runs_dir={runs_dir}",
         f"paths.cache_dir={runs_dir}/cache",
-        *TRAIN,
+        *(TRAIN if stage == "pretrain" else FINETUNE),
         "lang=de-en",
     ]
 
 
-def start_nodes(runs_dir: Path, job_id: int) -> list[subprocess.Popen]:
+def start_nodes(runs_dir: Path, job_id: int, stage: str = "pretrain") -> list[subprocess.Popen]:
     """slurm/train-node.sh as srun starts it on each node of a 2-node job (run_training in slurm/common.sh);
     each node's output in runs_dir/job<ID>-node<RANK>.log."""
     port = free_port()
@@ -56,7 +69,7 @@ def start_nodes(runs_dir: Path, job_id: int) -> list[subprocess.Popen]:
     for rank in range(NODES):
         env = base | {
             "SLURM_JOB_ID": str(job_id),
-            "SLURM_JOB_NAME": "pretrain",
+            "SLURM_JOB_NAME": stage,
             "SLURM_NNODES": str(NODES),
             "SLURM_NODEID": str(rank),
             "MAIN_PROCESS_IP": "127.0.0.1",
@@ -67,7 +80,7 @@ def start_nodes(runs_dir: Path, job_id: int) -> list[subprocess.Popen]:
         with (runs_dir / f"job{job_id}-node{rank}.log").open("w") as log:
             nodes.append(
                 subprocess.Popen(
-                    [TRAIN_NODE, "pretrain", *args(runs_dir)],
+                    [TRAIN_NODE, stage, *args(runs_dir, stage)],
                     cwd=REPO_ROOT,
                     env=env,
                     stdout=log,
@@ -158,3 +171,43 @@ def test_two_node_pretrain_stopped_at_its_time_limit_resumes_to_the_same_losses(
     assert f"(step {stopped_at} of 10)" in log and (path / MARKER).exists(), log
     assert len((path / "metrics.jsonl").read_text().splitlines()) == 10  # no step trained twice
     assert losses(path) == losses(reference)
+
+
+def distill_records(runs_dir: Path, target_path: str) -> None:
+    """A complete distill stage for the finetune: 8 prompts, each answered at two temperatures (contract 1)."""
+    cfg = compose_config(args(runs_dir, "finetune"))
+    tokenizer = load_tokenizer(target_path)
+    directory = stage_dir(cfg, "distill")
+    directory.begin(cfg)
+    (directory.path / "records").mkdir()
+    with (directory.path / "records" / "attempt-000.jsonl").open("w") as out:
+        for i in range(8):
+            for temperature in (0.0, 1.0):
+                prompt = build_prompt(cfg.target, cfg.lang, f"Das ist der {i + 1}. Satz.", tokenizer)
+                record = {"id": f"s{i}", "temperature": temperature, "sample": 0, "prompt": prompt}
+                record |= {"response": f"This is sentence {i + 1}.", "finish_reason": "stop", "stop_reason": "\n"}
+                out.write(json.dumps(record) + "\n")
+    directory.finish(cfg, {"records": 16})
+
+
+def test_requeued_two_node_finetune_does_not_tokenize_its_records_again(tmp_path, smollm_path):
+    """Node 1 tokenizes or waits for the shared cache before its rendezvous, as node 0 does before its launch: one
+    of them tokenizes, once; the job stopped at its time limit and requeued reads the cache on both nodes."""
+    distill_records(tmp_path, smollm_path)
+    path = stage_dir(compose_config(args(tmp_path, "finetune")), "finetune").path
+    nodes = start_nodes(tmp_path, job_id=4, stage="finetune")
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(read_metrics(path)) < 3 and all(node.poll() is None for node in nodes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    relay_to_step(nodes, signal.SIGUSR1)
+    codes, log = wait(nodes, tmp_path, job_id=4)
+    assert codes == [EXIT_PREEMPTED, 0] and not (path / MARKER).exists(), log
+    assert log.count("finetune: the records tokenized into") == 1, log  # by one node; the other waited for it
+    examples = path / "examples" / "train.npz"
+    written = examples.stat()
+
+    codes, log = wait(start_nodes(tmp_path, job_id=5, stage="finetune"), tmp_path, job_id=5)
+    assert codes == [0, 0] and (path / MARKER).exists(), log
+    assert "tokenized into" not in log and log.count("finetune: the records tokenized before, read from") == 2, log
+    assert (examples.stat().st_ino, examples.stat().st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
+    assert len((path / "metrics.jsonl").read_text().splitlines()) == 20  # resumed: no step trained twice

@@ -2,7 +2,7 @@
 
 Each dry run takes the recipe's own chat template, stop handling, data loaders (WMT16 parquet, WMT19 without
 a test split, JParaCrawl's five columns, C4 interleaved with ShareGPT), vLLM server and launch settings
-(DeepSpeed ZeRO-2), with a tiny random-init model of the target's family as target. paper-llama2's runs as on
+(DDP), with a tiny random-init model of the target's family as target. paper-llama2's runs as on
 a cluster: `make prepare` where a stand-in hub serves the target, then every stage with the hub unreachable.
 """
 

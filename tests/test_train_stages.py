@@ -239,6 +239,34 @@ def test_deepspeed_zero2_on_cpu_shards_its_state_and_resumes_a_preempted_run(two
     assert all(torch.allclose(drafter.state_dict()[name], ddp[name], atol=1e-4) for name in ddp)
 
 
+def test_deepspeed_zero2_accumulating_two_micro_batches_matches_one_process(tmp_path, smollm_path):
+    """As the paper pretrains (grad_accum 2; Gemma's 8): ZeRO-2 reduces each micro-batch's gradients into its shard
+    and steps at the accumulation boundary; the losses and weights are those of one process accumulating the same
+    micro-batches (each step's micro-batch i is the same examples, split over the ranks or not)."""
+    accumulate = [*PRETRAIN, "train.pretrain.grad_accum=2"]
+    one = overrides(tmp_path / "one", *accumulate)
+    run_stage("pretrain", one)
+    zero = overrides(
+        tmp_path / "zero", *accumulate, "train.pretrain.launch=deepspeed-zero2", "train.pretrain.num_processes=2"
+    )
+    assert cli(["pretrain", *zero]) == 0
+    reference, path = stage_dir(compose_config(one), "pretrain").path, stage_dir(compose_config(zero), "pretrain").path
+    counts = json.loads((path / "manifest.json").read_text())["counts"]
+    assert counts["processes"] == 2 and counts["steps"] == 20 and counts["tokens_seen"] == 20 * 4 * 128
+    assert len(losses(path)) == 20 and losses(path) == pytest.approx(losses(reference), rel=1e-4)
+    zero_weights = AutoModelForCausalLM.from_pretrained(path / "drafter").state_dict()
+    one_weights = AutoModelForCausalLM.from_pretrained(reference / "drafter").state_dict()
+    assert all(torch.allclose(zero_weights[name], one_weights[name], atol=1e-4) for name in one_weights)
+
+
+@pytest.mark.parametrize("recipe", ["paper-llama2", "paper-vicuna", "paper-vicuna-f-only", "paper-gemma"])
+def test_paper_recipes_train_under_ddp(recipe):
+    """Their drafters' weights, gradients and Adam state (68M: 1.1 GB, Gemma's 228M: 3.6 GB) fit any GPU: ZeRO-2
+    would save 1-3 GB a GPU and reduce every micro-batch (docs/results/2026-11-27-ddp-vs-zero2.md)."""
+    train = compose_config([f"recipe={recipe}"]).train
+    assert train.pretrain.launch == train.finetune.launch == "ddp"
+
+
 def test_a_full_disk_during_a_deepspeed_sharded_save_is_one_line_and_the_rerun_resumes_exactly(two_processes, tmp_path):
     """ZeRO-2 writes its checkpoint in shards, one per rank (torch.save, not safetensors). Once the first checkpoint
     is whole, the workers get a 4 MiB file size limit (a full disk, a quota): the next save fails, the stage ends in
@@ -318,6 +346,42 @@ def test_finetune_only_with_a_reduced_vocabulary(distilled):
     assert vocab.drafter_vocab_size == 513 and vocab.target_vocab_size == 49152
     counts = json.loads((path / "manifest.json").read_text())["counts"]
     assert counts["drafter_vocab"] == 513 and counts["label_coverage"] == 1.0  # 512 ids cover these records
+
+
+def test_finetune_tokenizes_the_same_records_once_for_requeues_reruns_and_other_runs(distilled, tmp_path, monkeypatch):
+    """The examples are cached by what determines them: a requeue (the same stage folder) and another run of the same
+    data (an lr sweep's folder) read them, linked, not copied; a max_length, data fraction or KD loss tokenizes anew."""
+    from pipeline.stages import finetune
+
+    tokenized = []
+    tokenize_records = finetune.finetune_examples
+    monkeypatch.setattr(
+        finetune,
+        "finetune_examples",
+        lambda records, *args: tokenized.append(len(records)) or tokenize_records(records, *args),
+    )
+
+    def tokenize(*extra, run="tokenize-once"):
+        args = overrides(distilled, f"run={run}", "train.finetune.mode=finetune_only", f"paths.cache_dir={tmp_path}")
+        cfg = compose_config([*args, *extra])
+        return finetune.tokenize(cfg, stage_dir(cfg, "finetune")), stage_dir(cfg, "finetune").path / finetune.EXAMPLES
+
+    counts, examples = tokenize()
+    assert tokenized == [16, 0]  # the training records, the held-out ones
+    assert counts == {"records": 16, "prompts": 8, "temperatures": [0.0, 1.0]}
+    written = examples.stat()
+    assert tokenize() == (counts, examples) and tokenized == [16, 0]  # requeued: read, not tokenized again
+    assert (examples.stat().st_ino, examples.stat().st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
+    other_counts, other = tokenize("train.finetune.lr=1e-4", run="lr-1e-4")
+    assert other != examples and other.stat().st_ino == written.st_ino and tokenized == [16, 0]  # one file, linked
+    assert other_counts == counts
+    tokenize("train.finetune.max_length=64")
+    tokenize("train.finetune.data_fraction=0.5")
+    assert tokenized == [16, 0, 16, 0, 8, 0]
+    kd, _ = tokenize("train.finetune.loss=kd_forward_kl")
+    assert tokenized[-2:] == [16, 0] and "teacher_coverage" in kd
+    caches = [p for p in (tmp_path / "finetune-examples").iterdir() if not p.name.startswith(".")]
+    assert len(caches) == 4 and not list((tmp_path / "finetune-examples").glob(".*.partial"))
 
 
 PARALLEL = [

@@ -12,11 +12,14 @@ random init, with a reduced vocabulary counted on the finetuning data.
 drafter's own rollouts, scored by the target; ``on_policy.heldout_prompts`` prompts are then held out of
 both phases for its per-round acceptance estimate. ``pack=true`` packs each micro-batch's examples into
 rows of ``max_length`` tokens, each example attending to itself only (the same loss, far fewer rows).
-The stage's own process tokenizes the records into its folder before it starts the training processes,
-which only read them.
+The stage's own process tokenizes the records into a cache before it starts the training processes, which
+read them from its folder; a requeue or a rerun on the same records reads the cache.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 from omegaconf import DictConfig
 from transformers import AutoConfig
@@ -24,25 +27,31 @@ from transformers import AutoConfig
 from pipeline.config import FinetuneMode, Loss
 from pipeline.evaluation.heldout import stop_condition
 from pipeline.models.drafter import build_drafter, check_drafter, load_drafter, reduced_vocab, specialize_vocab
-from pipeline.models.provision import load_model, load_tokenizer, model_path
+from pipeline.models.provision import fingerprint, load_model, load_tokenizer, model_path
 from pipeline.rundir import StageDir, StageInputError, make_command
 from pipeline.tracking import Tracker
 from pipeline.training import loop, on_policy
 from pipeline.training.data import (
     TokenStrings,
+    cache_folder,
+    fill_cache,
     finetune_examples,
+    link_into,
     load_examples,
     prompt_fraction,
     read_records,
+    record_files,
     save_examples,
     teacher_coverage,
     token_counts,
+    tokenizer_digest,
 )
 from pipeline.training.launch import MetricsLog, run_training
 from pipeline.training.on_policy import rollout_stop_ids, split_heldout
 from pipeline.workers import exit_on_preemption
 
-EXAMPLES, HELDOUT = "examples/train.npz", "examples/heldout.npz"  # in the stage folder: tokenized by the stage
+EXAMPLES, HELDOUT = "examples/train.npz", "examples/heldout.npz"  # in the stage folder: linked from the cache
+COUNTS = "counts.json"  # in the cache folder, beside the examples: the data's counts for the manifest
 
 
 @exit_on_preemption("finetune: stopped; run the same command again to continue from the last checkpoint")
@@ -52,15 +61,48 @@ def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
 
 
 def tokenize(cfg: DictConfig, directory: StageDir) -> dict:
-    """The distilled records as training examples (``EXAMPLES``, and ``HELDOUT`` for on-policy's estimate), after
-    the P-F compatibility gate; returns the data's counts for the manifest."""
-    tc = cfg.train.finetune
-    target_path = model_path(cfg.target, cfg.paths.models_dir)
-    tokenizer = load_tokenizer(target_path)
-    if tc.mode == FinetuneMode.pretrain_finetune:  # the compatibility gate, before any compute
+    """The distilled records as training examples in the stage folder (``EXAMPLES``, and ``HELDOUT`` for on-policy's
+    estimate), linked from their cache (``cached_examples``) after the P-F compatibility gate; returns the data's
+    counts for the manifest."""
+    if cfg.train.finetune.mode == FinetuneMode.pretrain_finetune:  # the compatibility gate, before any compute
+        target_path = model_path(cfg.target, cfg.paths.models_dir)
         check_drafter(str(directory.inputs["pretrain"].path / "drafter"), target_path, cfg.drafter.name)
+    cache = cached_examples(cfg, directory)
+    for name in (EXAMPLES, HELDOUT):
+        link_into(cache / Path(name).name, directory.path / name)
+    return json.loads((cache / COUNTS).read_text())
 
+
+def cached_examples(cfg: DictConfig, directory: StageDir) -> Path:
+    """The folder under ``paths.cache_dir`` that holds the records' examples (``EXAMPLES``' and ``HELDOUT``'s names)
+    and their ``COUNTS``, keyed by all that determines them: tokenized on a miss, read on a requeue, a rerun or a
+    run of other training settings on the same data. Every node of a multi-node job calls it before its accelerate
+    launch (slurm/train-node.sh), so the others wait here for the one that tokenizes, not in torchrun's rendezvous
+    (whose store gives up after 600 s)."""
+    tc = cfg.train.finetune
+    tokenizer = load_tokenizer(model_path(cfg.target, cfg.paths.models_dir))
     distill = directory.inputs["distill"]  # with distill.num_shards > 1, every shard's records as one set
+    files = [path for part in distill.parts for path in record_files(part.path / "records")]
+    key = {
+        "records": [fingerprint(path) for path in files],  # their contents (sha256), in reading order
+        "tokenizer": tokenizer_digest(tokenizer),
+        "special": [tokenizer.bos_token_id, tokenizer.eos_token_id],
+        "max_length": tc.max_length,
+        "teacher": tc.loss != Loss.ce,  # a KD loss: the target's top-k beside the labels
+        "data_fraction": tc.data_fraction,
+        "heldout_prompts": tc.on_policy.heldout_prompts if tc.on_policy.enabled else 0,
+        "seed": cfg.seed if tc.data_fraction < 1 or tc.on_policy.enabled else None,  # it draws those prompts only
+        "format": 1,  # raise it when the same records make other examples (record_example, save_examples)
+    }
+    folder = cache_folder(cfg.paths.cache_dir, "finetune-examples", key)
+    wrote = fill_cache(folder, COUNTS, lambda partial: write_examples(cfg, distill, tokenizer, partial))
+    print(f"finetune: the records {'tokenized into' if wrote else 'tokenized before, read from'} {folder}")
+    return folder
+
+
+def write_examples(cfg: DictConfig, distill: StageDir, tokenizer, folder: Path) -> None:
+    """Tokenize the distilled records into ``folder``: the examples, the held-out ones, then ``COUNTS``."""
+    tc = cfg.train.finetune
     records = [record for part in distill.parts for record in read_records(part.path / "records")]
     if not records:
         raise StageInputError(f"{distill.path} holds no records; run `{make_command(cfg, 'distill')}` with force=true")
@@ -77,8 +119,8 @@ def tokenize(cfg: DictConfig, directory: StageDir) -> dict:
             )
         strings = TokenStrings(tokenizer)
     examples = finetune_examples(records, tokenizer, tc.max_length, strings)
-    save_examples(directory.path / EXAMPLES, examples)
-    save_examples(directory.path / HELDOUT, finetune_examples(heldout, tokenizer, tc.max_length))
+    save_examples(folder / Path(EXAMPLES).name, examples)
+    save_examples(folder / Path(HELDOUT).name, finetune_examples(heldout, tokenizer, tc.max_length))
     counts = {
         "records": len(records),
         "prompts": len({r["id"] for r in records}),
@@ -86,7 +128,7 @@ def tokenize(cfg: DictConfig, directory: StageDir) -> dict:
     }
     if strings is not None:
         counts["teacher_coverage"] = round(teacher_coverage(examples), 4)
-    return counts
+    (folder / COUNTS).write_text(json.dumps(counts) + "\n")  # written last: the cache is whole
 
 
 def train(cfg: DictConfig, directory: StageDir, log: MetricsLog) -> dict:

@@ -21,11 +21,13 @@ import itertools
 import json
 import os
 import shutil
-from collections.abc import Iterator
+import socket
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
+from filelock import FileLock
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
@@ -94,19 +96,54 @@ def mixed_documents(cfg: DictConfig, tokenizer, counts: dict[str, dict]) -> Iter
         yield ids
 
 
+def tokenizer_digest(tokenizer) -> str:
+    """The vocabulary itself, hashed: a dry run's stand-in or a test's tokenizer may carry a real target's name."""
+    return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
+
+
+def cache_folder(cache_dir: str | Path, kind: str, key: dict) -> Path:
+    """Where the data of ``key`` (all that determines it, JSON) is cached: ``<cache_dir>/<kind>/<key's hash>``."""
+    return Path(cache_dir) / kind / hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def fill_cache(folder: Path, last: str, write: Callable[[Path], None]) -> bool:
+    """Make ``folder`` whole once: ``write(partial)`` fills a partial folder, its file ``last`` written last, which is
+    renamed into place. Under a lock beside it: concurrent runs, and every node of a multi-node job
+    (slurm/train-node.sh), wait for one writer and then read its cache (a filesystem whose locks do not reach
+    across nodes costs duplicate work, never a torn cache). Returns whether this call wrote it."""
+    if (folder / last).exists():
+        return False
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(folder.with_name(f".{folder.name}.lock")):
+        if (folder / last).exists():
+            return False
+        # the host in the name: processes of two nodes may share a pid
+        partial = folder.with_name(f".{folder.name}.{socket.gethostname()}.{os.getpid()}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        try:
+            write(partial)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        if not folder.exists():  # another node may have finished the same cache first
+            os.replace(partial, folder)
+        else:
+            shutil.rmtree(partial)
+    return True
+
+
 def pretrain_cache(cfg: DictConfig, tokenizer, max_tokens: int | None) -> Path:
     """Where the pretraining stream of this (tokenizer, corpora, limits) is cached, under ``paths.cache_dir``."""
     key = {
-        # the vocabulary itself: a dry run's stand-in or a test's tokenizer may carry a real target's name
-        "tokenizer": hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest(),
+        "tokenizer": tokenizer_digest(tokenizer),
         "special": [tokenizer.bos_token_id, tokenizer.eos_token_id],
         "corpora": OmegaConf.to_container(cfg.data.pretrain_corpora, enum_to_str=True),
         "max_documents": cfg.data.pretrain_max_documents,
         "max_tokens": max_tokens,
         "mixing": "tokens",  # caches of the former document-interleaved stream are not reused
     }
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return Path(cfg.paths.cache_dir) / "pretrain-tokens" / digest
+    return cache_folder(cfg.paths.cache_dir, "pretrain-tokens", key)
 
 
 def write_pretrain_tokens(cfg: DictConfig, tokenizer, max_tokens: int | None) -> dict:
@@ -116,31 +153,27 @@ def write_pretrain_tokens(cfg: DictConfig, tokenizer, max_tokens: int | None) ->
     collective may wait (NCCL's 10 minutes). Stops after ``max_tokens`` (all corpora exhausted: fewer).
     """
     folder = pretrain_cache(cfg, tokenizer, max_tokens)
-    if (folder / READ_FILE).exists():
-        return json.loads((folder / READ_FILE).read_text())
-    pieces, starts, total, counts = [], [], 0, {}
-    documents = itertools.islice(mixed_documents(cfg, tokenizer, counts), cfg.data.pretrain_max_documents)
-    with tqdm(desc="tokenizing pretraining data", unit=" tok", unit_scale=True, mininterval=5) as bar:
-        while max_tokens is None or total < max_tokens:
-            ids = next(documents, None)
-            if ids is None:
-                break
-            starts.append(total)
-            pieces.append(ids)
-            total += len(ids)
-            bar.update(len(ids))
-    tokens = np.concatenate(pieces)[:max_tokens] if pieces else np.zeros(0, dtype=np.uint32)
-    read = {"tokens": len(tokens), "documents": len(starts), "corpora": counts}
-    partial = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
-    partial.mkdir(parents=True, exist_ok=True)
-    np.save(partial / "tokens.npy", tokens)
-    np.save(partial / "starts.npy", np.asarray(starts, dtype=np.int64))
-    (partial / READ_FILE).write_text(json.dumps(read, indent=1) + "\n")  # written last: the cache is whole
-    if not folder.exists():  # another run may have finished the same cache first
-        os.replace(partial, folder)
-    else:
-        shutil.rmtree(partial)
-    return read
+
+    def write(partial: Path) -> None:
+        pieces, starts, total, counts = [], [], 0, {}
+        documents = itertools.islice(mixed_documents(cfg, tokenizer, counts), cfg.data.pretrain_max_documents)
+        with tqdm(desc="tokenizing pretraining data", unit=" tok", unit_scale=True, mininterval=5) as bar:
+            while max_tokens is None or total < max_tokens:
+                ids = next(documents, None)
+                if ids is None:
+                    break
+                starts.append(total)
+                pieces.append(ids)
+                total += len(ids)
+                bar.update(len(ids))
+        tokens = np.concatenate(pieces)[:max_tokens] if pieces else np.zeros(0, dtype=np.uint32)
+        read = {"tokens": len(tokens), "documents": len(starts), "corpora": counts}
+        np.save(partial / "tokens.npy", tokens)
+        np.save(partial / "starts.npy", np.asarray(starts, dtype=np.int64))
+        (partial / READ_FILE).write_text(json.dumps(read, indent=1) + "\n")  # written last: the cache is whole
+
+    fill_cache(folder, READ_FILE, write)
+    return json.loads((folder / READ_FILE).read_text())
 
 
 def read_pretrain_tokens(cfg: DictConfig, tokenizer, max_tokens: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -174,10 +207,15 @@ def pack(tokens: np.ndarray, starts: np.ndarray, max_length: int) -> list[dict]:
 # ---------------------------------------------------------------- finetuning
 
 
+def record_files(records_dir: Path) -> list[Path]:
+    """The distill stage's record files, in the order they are read."""
+    return sorted(Path(records_dir).glob("*.jsonl"))
+
+
 def read_records(records_dir: Path) -> list[dict]:
     """The distill stage's records (contract 1), in file and line order."""
     records = []
-    for path in sorted(Path(records_dir).glob("*.jsonl")):
+    for path in record_files(records_dir):
         records.extend(parse_jsonl(path, path.read_bytes()))
     return records
 
@@ -291,7 +329,7 @@ EXAMPLE_ARRAYS = ("input_ids", "labels", "teacher_ids", "teacher_logprobs")
 
 def save_examples(path: Path, examples: list[dict]) -> None:
     """Tokenized examples as flat arrays and lengths (``np.savez``, nothing pickled), written atomically: the
-    finetune stage tokenizes its records once, before ``accelerate launch``, and every process reads them."""
+    finetune stage tokenizes its records once, into a cache, before ``accelerate launch``; every process reads them."""
     arrays = {"lengths": np.asarray([len(e["input_ids"]) for e in examples], dtype=np.int64)}
     for key in EXAMPLE_ARRAYS:
         if examples and key in examples[0]:
@@ -305,6 +343,19 @@ def save_examples(path: Path, examples: list[dict]) -> None:
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     with partial.open("wb") as handle:
         np.savez(handle, **arrays)
+    os.replace(partial, path)
+
+
+def link_into(source: Path, path: Path) -> None:
+    """``source`` at ``path`` too, replacing what was there atomically: a hard link (the same file, not a copy),
+    else a copy (another filesystem)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.unlink(missing_ok=True)
+    try:
+        os.link(source, partial)
+    except OSError:
+        shutil.copyfile(source, partial)
     os.replace(partial, path)
 
 
