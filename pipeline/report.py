@@ -14,6 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from pipeline.evaluation.choices import check_ks
 from pipeline.rundir import MARKER, VLLM_EVAL, StageInputError, make_command, stage_dir
 from pipeline.speculative.costs import cost_line
 
@@ -126,15 +127,9 @@ def stage_report(metrics: dict) -> str:
         table(acceptance, header),
         "",
         f"Costs measured on this machine, in target steps: {cost_line(costs)} (c: a drafter step; draft(K): a "
-        "round's drafting; v(K): its verify).",
+        "round's drafting; v(K): its verify)." + under_load(metrics["environment"]),
     ]
-    lines += [
-        f"\n**{t_key}, {choice['no_k_pays']}.** Its row above ran at K={choice['k']}, the best the formula "
-        "found; the target alone (K = 0) is faster here."
-        for t_key, by_method in (metrics.get("k_choice") or {}).items()
-        for choice in by_method.values()
-        if "no_k_pays" in choice
-    ]
+    lines += [f"\n{line}" for line in k_check_lines(metrics)]
     if sweep:
         lines += [
             "",
@@ -182,6 +177,50 @@ def stage_report(metrics: dict) -> str:
     return "\n".join(lines)
 
 
+def under_load(environment: dict) -> str:
+    """Where several processes decoded: the costs were measured without them, the speedups with them."""
+    processes = environment.get("processes", 1)
+    if processes == 1:
+        return ""
+    return (
+        f" Measured by the first process alone, before the other {processes - 1} started (K is chosen before any "
+        f"decode, one for all); the speedups with all {processes} decoding: where that load changes the costs, "
+        "the measurement holds, not the prediction."
+    )
+
+
+def k_check_lines(metrics: dict) -> list[str]:
+    """One line per temperature and method whose K the formula chose, where the decode measured no K faster than
+    the target alone or the formula's K missed the measured one: the measurement first, then the prediction."""
+    choices = metrics.get("k_choice") or {}
+    return [
+        k_check_line(t_key, method, check, choices[t_key][method])
+        for t_key, by_method in check_ks(metrics).items()
+        for method, check in by_method.items()
+        if check["prediction_missed"] or check["recommended_k"] == 0
+    ]
+
+
+def k_check_line(t_key: str, method: str, check: dict, choice: dict) -> str:
+    best = check["measured"][check["best_k"]]
+    measured = f"K={check['best_k']} measured {cell(best, 'speedup')}× (τ {best['tau']:.2f})"
+    if len(check["measured"]) > 1:
+        measured = f"fastest of K={', '.join(map(str, check['measured']))}: {measured}"
+    verdict = (
+        "the target alone (K = 0) is faster here"
+        if check["recommended_k"] == 0
+        else f"K={check['recommended_k']} pays here"
+    )
+    if not check["prediction_missed"]:  # as predicted: no K pays
+        return f"**{t_key}, {choice['no_k_pays']}.** {measured}: {verdict}."
+    at_k = f"{check['predicted_speedup']:.2f}× at K={check['k']} from the pilot's τ {check['pilot_tau']:.2f}"
+    predicted = f"K={check['predicted_k']}" if check["predicted_k"] else "K = 0, the target alone"
+    return (
+        f"**{t_key}, {METHOD_NAMES[method]}: {measured}: {verdict}.** The formula predicted {predicted} ({at_k}): "
+        "the prediction missed."
+    )
+
+
 def pyplot():
     """matplotlib's pyplot (Agg), imported only where a plot is drawn: a bare GPU box may lack it."""
     import matplotlib
@@ -207,7 +246,9 @@ def k_line(metrics: dict) -> str:
     choice = metrics.get("k_choice")
     if not choice:
         return f"K = {metrics['K']}"
-    return "K chosen from the measured costs and the warm-up's τ: " + "; ".join(
+    pilot = next(iter(next(iter(choice.values())).values())).get("pilot_prompts")
+    source = f"the τ of untimed decodes of {pilot} prompts" if pilot else "the warm-up's τ"
+    return f"K chosen before decoding from the measured costs and {source}: " + "; ".join(
         f"{t_key}: " + ", ".join(f"{METHOD_NAMES[m]} {c['k']}" for m, c in by_method.items())
         for t_key, by_method in choice.items()
     )
@@ -341,17 +382,21 @@ def summarize_pairs(configs: dict[str, DictConfig], started: float | None) -> Pa
         print(f"{pair} speculative (ours) — {line}")
         m = summary[pair]["machine"]
         print(
-            f"{pair} on {m['cpu']}: target in {m['target_dtype']}, {cost_line(m)}, K chosen: "
+            f"{pair} on {m['cpu']}: target in {m['target_dtype']}, {cost_line(m)}, K run: "
             + "; ".join(f"{t} " + ", ".join(f"{method} {k}" for method, k in ks.items()) for t, ks in m["k"].items())
         )
+        for line in m["k_checks"]:
+            print(f"{pair} {line.replace('**', '')}")
     if started:
         print(f"demo wall time: {summary['wall_time_s'] / 60:.1f} min")
     return out
 
 
 def machine_of(metrics: dict) -> dict:
-    """Where and how the eval measured: CPU model and flags, the target's dtype, c, v(K) and the chosen K."""
-    env = metrics["environment"]
+    """Where and how the eval measured: CPU model and flags, the target's dtype, c, v(K); per temperature and
+    method the K it ran, the K the formula predicted (0: no K pays) and the K the decode measured fastest (0: the
+    target alone was), with the lines where they disagree."""
+    env, choices, checked = metrics["environment"], metrics.get("k_choice") or {}, check_ks(metrics)
     return {
         "cpu": env["cpu"],
         "cpu_flags": env.get("cpu_flags", []),
@@ -359,8 +404,14 @@ def machine_of(metrics: dict) -> dict:
         "c": metrics["costs"]["c"],
         "v": metrics["costs"]["v"],
         "draft": metrics["costs"].get("draft"),
-        "k": {
+        "k": {t: {method: choice["k"] for method, choice in by_method.items()} for t, by_method in choices.items()},
+        "k_predicted": {
             t: {method: choice["recommended_k"] for method, choice in by_method.items()}
-            for t, by_method in (metrics.get("k_choice") or {}).items()
+            for t, by_method in choices.items()
         },
+        "k_measured": {
+            t: {method: check["recommended_k"] for method, check in by_method.items()}
+            for t, by_method in checked.items()
+        },
+        "k_checks": k_check_lines(metrics),
     }

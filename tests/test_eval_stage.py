@@ -416,11 +416,11 @@ def test_eval_chooses_target_dtype_and_k_from_measured_costs_and_says_when_no_k_
 ):
     """Injected costs of a machine where bf16 verifies fastest and no K pays (issue 30's Xeon: v(K) ~2): the eval
     decodes every method in bf16 (tie-gated), picks K per method, and says in one line why the drafter cannot pay."""
-    from pipeline.evaluation import transformers_backend as backend
+    from pipeline.evaluation import choices
 
-    monkeypatch.setattr(backend, "half_precision_dtypes", lambda device: ["bfloat16"])
+    monkeypatch.setattr(choices, "half_precision_dtypes", lambda device: ["bfloat16"])
     monkeypatch.setattr(
-        backend,
+        choices,
         "time_steps",
         lambda models, ids, k: {
             "float32": {"step_s": 0.050, "verify_s": 0.104},
@@ -428,7 +428,7 @@ def test_eval_chooses_target_dtype_and_k_from_measured_costs_and_says_when_no_k_
         },
     )
     monkeypatch.setattr(
-        backend,
+        choices,
         "step_costs",
         lambda target, drafter, ids, ks: {
             "target_step_s": 0.05,
@@ -455,10 +455,16 @@ def test_eval_chooses_target_dtype_and_k_from_measured_costs_and_says_when_no_k_
     # a random drafter accepts next to nothing: with c 0.2 and v(K) ~2 the target alone is faster
     assert choice["recommended_k"] == 0 and choice["k"] == 2
     assert f"eval: T=0.0 {choice['no_k_pays']}" in printed
-    assert "no K pays on this CPU (" in choice["no_k_pays"] and "to break even" in choice["no_k_pays"]
+    assert "no K is predicted to pay on this CPU (" in choice["no_k_pays"] and "2 × c 0.200" in choice["no_k_pays"]
+    assert choice["pilot_prompts"] == 3  # the ci recipe's every prompt: τ pooled over them
+    # the decode measures the random drafter slower than the target alone, as predicted: the report says both
+    checked = metrics["k_checked"]["T=0.0"]["speculative"]
+    assert checked["recommended_k"] == 0 and not checked["prediction_missed"]
     greedy = metrics["results"]["de-en"]["T=0.0"]["summary"]
     assert {"speculative", "speculative_k4"} <= set(greedy) and "speculative_k2" not in greedy  # K=2 is the main row
     report = (next(runs_dir.glob("**/eval")) / "report.md").read_text()
-    assert "Target decoded in bfloat16, not the recipe's float32" in report and choice["no_k_pays"] in report
+    assert "Target decoded in bfloat16, not the recipe's float32" in report
+    assert f"**T=0.0, {choice['no_k_pays']}.** fastest of K=2, 4: K=" in report
+    assert "the target alone (K = 0) is faster here" in report
     assert "Drafter in bfloat16, as served beside the target." in report
     assert "K chosen from the measured costs" in report

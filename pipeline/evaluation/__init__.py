@@ -5,6 +5,8 @@
 - ``teacher_forced``: the drafter scored against the target's distribution in one pass (no decoding, no
   timing): used by the scaling study, the on-policy phase's held-out estimate and the benches
 - ``results``: the machine a figure was measured on, summaries over seeds, metrics.json
+- ``choices``: what the eval measures and chooses before decoding (the target's dtype, c and v(K), K per
+  method from a pilot over several prompts) and each choice held against the decode's measurement
 - ``transformers_backend``: the eval stage on our engine (every method, one process per GPU)
 - ``vllm_backend``: the eval stage through vLLM's own speculative decoding (``eval.engine=vllm``)
 

@@ -2,8 +2,9 @@
 so the figures do not depend on machine load.
 
 The sequences are prompts with the target's greedy answers (``heldout.greedy_heldout_examples``); at every
-answer token the target's distribution p is computed once, exactly (its full output layer, at those positions
-only), and a drafter's q is read in one forward. Per token:
+answer token the target's distribution p is computed exactly (its full output layer, at those positions only)
+and a drafter's q is read, SCORE_TOKENS tokens per forward and SCORE_CHUNK positions per output layer: the
+target's pass keeps its hidden states, never p over the whole vocabulary at every position. Per token:
 
 - the expected T=1 acceptance of a draft there, Σ_v min(p_v, q_v) (q is 0 off a reduced vocabulary's ids,
   and its ``unk`` row is never proposed);
@@ -22,7 +23,11 @@ import torch
 from pipeline.models.vocab import VocabMap
 from pipeline.prompts import IGNORE
 
-SCORE_CHUNK = 64  # drafted positions per pass of the target's full output layer: (64, V) float32 logits at a time
+SCORE_CHUNK = 64  # positions per pass of an output layer: (64, V) float32 logits at a time
+# Tokens (rows × padded length) per forward of the target's body or of a drafter: a pass's activations and a
+# drafter's (rows, length, V) logits stay this size however many sequences are scored (Gemma's V = 262k: 2 GiB
+# of float32 logits at most)
+SCORE_TOKENS = 2048
 
 
 def vocab_on(vocab: VocabMap | None, device: torch.device) -> VocabMap | None:
@@ -42,31 +47,80 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
+def passes(attention_mask: torch.Tensor) -> list[tuple[slice, slice]]:
+    """(rows, columns) of each forward over a left-padded batch: consecutive rows, SCORE_TOKENS tokens of the
+    batch's width at most (one row at least), and the columns their longest row needs."""
+    width = attention_mask.shape[1]
+    rows_per_pass = max(1, SCORE_TOKENS // width)
+    lengths = attention_mask.sum(-1).tolist()
+    return [
+        (slice(first, first + rows_per_pass), slice(width - max(lengths[first : first + rows_per_pass]), width))
+        for first in range(0, len(lengths), rows_per_pass)
+    ]
+
+
+@torch.no_grad()
+def hidden_at(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """The model's last hidden states (n, H) at the ``scored`` positions of a left-padded batch, pass by pass."""
+    out = []
+    for rows, columns in passes(attention_mask):
+        mask = attention_mask[rows, columns]
+        hidden = model.base_model(
+            input_ids=input_ids[rows, columns], attention_mask=mask, position_ids=position_ids(mask)
+        ).last_hidden_state
+        out.append(hidden[scored[rows, columns]])
+    return torch.cat(out)
+
+
+class TargetDistribution:
+    """The target's next-token distribution at n positions, kept as its last hidden states (n, H) and its whole
+    vocabulary's log-normalizer (n,): log p over a drafter's ids is one (positions, ids) product away, so no
+    (n, V) tensor is made (with Gemma's 262k ids and thousands of answer tokens that is tens of GB)."""
+
+    @torch.no_grad()
+    def __init__(self, target, hidden: torch.Tensor, vocab: VocabMap | None):
+        self.hidden, self.head = hidden, target.get_output_embeddings()
+        self.cap = getattr(target.config, "final_logit_softcapping", None)
+        # a vocabulary map's rows of the output layer: its log p costs N columns, not V
+        self.rows = self.head.weight[vocab.target_ids] if vocab is not None else None
+        bias = getattr(self.head, "bias", None)
+        self.bias = bias[vocab.target_ids] if bias is not None and vocab is not None else None
+        log_norm, argmax = [], []
+        for chunk in hidden.split(SCORE_CHUNK):
+            logits = self.logits(chunk, every_id=True)
+            log_norm.append(logits.logsumexp(-1))
+            argmax.append(logits.argmax(-1))
+        self.log_norm, self.argmax = torch.cat(log_norm), torch.cat(argmax)  # argmax: any of the target's ids
+
+    def logits(self, hidden: torch.Tensor, every_id: bool = False) -> torch.Tensor:
+        """float32 logits (soft-capped where the target caps them) over every id, or over the map's ids."""
+        if every_id or self.rows is None:
+            logits = self.head(hidden)
+        else:
+            logits = torch.nn.functional.linear(hidden, self.rows, self.bias)
+        logits = logits.float()
+        return torch.tanh(logits / self.cap) * self.cap if self.cap else logits
+
+    @torch.no_grad()
+    def log_p(self, start: int, stop: int) -> torch.Tensor:
+        """(stop − start, N) log-probabilities of the drafter's ids at positions start..stop."""
+        return self.logits(self.hidden[start:stop]) - self.log_norm[start:stop, None]
+
+
 @dataclass
 class TargetScores:
     log_p: torch.Tensor  # (n, N) the target's log-probabilities of the drafter's ids at the n scored positions
     argmax: torch.Tensor  # (n,) the target's own top id (any of its vocabulary)
 
 
-@torch.no_grad()
 def score(
     target, input_ids: torch.Tensor, attention_mask: torch.Tensor, scored: torch.Tensor, vocab: VocabMap | None
 ) -> TargetScores:
     """The target's distribution at the ``scored`` positions (a (B, L) mask; position t predicts token t + 1)
-    of a left-padded batch of target ids, exactly: its full output layer, at those positions only."""
-    hidden = target.base_model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)
-    ).last_hidden_state[scored]
-    head, cap = target.get_output_embeddings(), getattr(target.config, "final_logit_softcapping", None)
-    log_p, argmax = [], []
-    for chunk in hidden.split(SCORE_CHUNK):
-        logits = head(chunk).float()
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        logits = logits - logits.logsumexp(-1, keepdim=True)
-        log_p.append(logits[:, vocab.target_ids] if vocab is not None else logits)
-        argmax.append(logits.argmax(-1))
-    return TargetScores(torch.cat(log_p), torch.cat(argmax))
+    of a left-padded batch of target ids, exactly: its full output layer, at those positions only. For a batch's
+    (n, N) loss (on-policy rollouts); scoring many positions, TeacherForced keeps a TargetDistribution instead."""
+    target_distribution = TargetDistribution(target, hidden_at(target, input_ids, attention_mask, scored), vocab)
+    return TargetScores(target_distribution.log_p(0, len(target_distribution.argmax)), target_distribution.argmax)
 
 
 def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,8 +133,9 @@ def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch
 
 
 class TeacherForced:
-    """Sequences (prompt + the target's greedy answer; labels on the answer) with the target's scores at every
-    answer token, computed once; any drafter is then scored in one forward over them."""
+    """Sequences (prompt + the target's greedy answer; labels on the answer) with the target's distribution at
+    every answer token, computed once; any drafter is then scored against it, pass by pass (``passes``) and
+    SCORE_CHUNK positions at a time: memory stays bounded however many sequences there are."""
 
     def __init__(self, target, vocab: VocabMap | None, examples: list[dict], pad_id: int):
         rows = [torch.as_tensor(e["input_ids"]) for e in examples]
@@ -92,7 +147,7 @@ class TeacherForced:
         for i, row_labels in enumerate(labels):  # position t predicts label t + 1
             scored[i, scored.shape[1] - len(row_labels) : -1] = (row_labels[1:] != IGNORE).to(device)
         self.scored, self.vocab = scored, vocab
-        self.scores = score(target, self.input_ids, self.attention_mask, scored, vocab)
+        self.target = TargetDistribution(target, hidden_at(target, self.input_ids, self.attention_mask, scored), vocab)
 
     def __call__(self, drafter) -> dict:
         """Teacher-forced T=1 acceptance Σ min(p, q) and T=0 argmax agreement, averaged over answer tokens."""
@@ -105,15 +160,20 @@ class TeacherForced:
         was_training = drafter.training
         drafter.eval()
         ids = self.vocab.encode(self.input_ids) if self.vocab is not None else self.input_ids
-        logits = drafter(
-            input_ids=ids, attention_mask=self.attention_mask, position_ids=position_ids(self.attention_mask)
-        ).logits[self.scored]
+        acceptance, agreement, start = [], [], 0
+        for rows, columns in passes(self.attention_mask):
+            mask = self.attention_mask[rows, columns]
+            logits = drafter(input_ids=ids[rows, columns], attention_mask=mask, position_ids=position_ids(mask)).logits
+            for chunk in logits[self.scored[rows, columns]].split(SCORE_CHUNK):
+                stop = start + len(chunk)
+                log_q = drafter_log_probs(chunk, self.vocab)
+                acceptance.append(torch.minimum(log_q.exp(), self.target.log_p(start, stop).exp()).sum(-1))
+                top = log_q.argmax(-1)
+                top = self.vocab.target_ids[top] if self.vocab is not None else top
+                agreement.append((top == self.target.argmax[start:stop]).float())
+                start = stop
         drafter.train(was_training)
-        log_q = drafter_log_probs(logits, self.vocab)
-        acceptance = torch.minimum(log_q.exp(), self.scores.log_p.exp()).sum(-1)
-        top = log_q.argmax(-1)
-        top = self.vocab.target_ids[top] if self.vocab is not None else top
-        return acceptance, (top == self.scores.argmax).float()
+        return torch.cat(acceptance), torch.cat(agreement)
 
 
 class SharedTeacherForced:

@@ -18,7 +18,8 @@ max_new_tokens, stop strings and seeds, interleaved prompt by prompt so machine 
 Target, drafters and every tensor of a decoding process live on one device (``eval.device``; auto = CUDA
 when one is visible), and every timer waits for that device (pipeline/device.py). The drafters run in the
 target's dtype, as vLLM and transformers' assisted generation serve a draft model. The costs c and v(K) are
-measured after the warm-up.
+measured after the warm-up, K chosen from a pilot over several prompts, and each choice is checked against
+what the decode measured (pipeline/evaluation/choices.py).
 
 ``eval.processes`` (auto: every visible GPU) shares the prompts out: the stage decides once what every
 process must share (the target's dtype, the costs, K), then decodes prompts 0, N, 2N... itself and starts N-1
@@ -57,8 +58,19 @@ from transformers import AutoConfig
 
 from pipeline import report
 from pipeline.config import EVAL_METHODS, Config, ConfigError
-from pipeline.device import cpu_model, half_precision_dtypes, resolve_device
+from pipeline.device import resolve_device
 from pipeline.durable import fsync_dir, write_atomic
+from pipeline.evaluation.choices import (
+    MODEL_DRAFTED,
+    check_ks,
+    choose_ks,
+    choose_target_dtype,
+    measure_costs,
+    pilot,
+    prompt_seed,
+    step_costs_of,
+    warm_up,
+)
 from pipeline.evaluation.gate import GreedyGate, tie_tolerance
 from pipeline.evaluation.heldout import eval_pairs, heldout_prompts, lang_config, stop_condition
 from pipeline.evaluation.results import SUMMARY_KEYS, environment, summarize, write_results
@@ -67,15 +79,7 @@ from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.prompts import prompt_ids
 from pipeline.rundir import StageInputError, make_command, stage_dir
-from pipeline.speculative.costs import (
-    canonical_dtype,
-    choose_k,
-    cost_line,
-    dtype_candidates,
-    no_k_pays,
-    pick_dtype,
-    time_steps,
-)
+from pipeline.speculative.costs import canonical_dtype, cost_line
 from pipeline.speculative.engine import (
     CachedModel,
     Generation,
@@ -87,7 +91,6 @@ from pipeline.speculative.engine import (
     hf_generate,
     model_drafter,
     predicted_speedup,
-    step_costs,
     top2_gap,
 )
 from pipeline.speculative.metrics import measure, method_stats, speedup, timed
@@ -103,7 +106,6 @@ from pipeline.workers import (
 )
 
 METHODS = (*EVAL_METHODS, "router")
-MODEL_DRAFTED = ("speculative", "hybrid", "router")  # the methods that pay drafter steps
 EXACT_AT_T0 = ("speculative", "pld", "hybrid", "router")  # our loop: greedy output must be the target's
 MIXED = "mixed"  # the router's prompt set: held-out prompts of every eval.router_langs pair
 SAMPLES = "samples.jsonl"  # one row per (pair, temperature, seed, prompt), appended as each prompt is measured
@@ -271,6 +273,7 @@ def evaluate(cfg: DictConfig, directory, tracker, device: torch.device, processe
         ],
         "environment": environment(device, processes),
     }
+    metrics["k_checked"] = check_ks(metrics)  # the choices above against what the decode measured
     write_results(path, metrics, tracker, cfg.lang.pair, {"c": costs["c"]})
     report.write_stage_report(metrics, path)
     gate.enforce("greedy outputs differ from the target's own", path)
@@ -296,15 +299,16 @@ def load_target(cfg: DictConfig, target_path: str, device: torch.device, prompts
 def start_session(
     cfg: DictConfig, decoders: Decoders, prompts: Prompts, progress: dict, path: Path, processes: int
 ) -> None:
-    """Warm up; on the first session measure the step costs and choose K (both after the warm-up: a cold GPU
-    measures allocation, not steps); record the session in progress.json, durable, before any decode."""
+    """Warm up; on the first session decode the pilot, measure the step costs and choose K (after the warm-up: a
+    cold GPU measures allocation, not steps); record the session in progress.json, durable, before any decode."""
     ev = cfg.eval
-    pilot = warm_up(cfg, decoders, prompts.first_ids)  # their τ chooses K
+    warm_up(cfg, decoders, prompts.first_ids)
     if "costs" not in progress:
-        ks = sorted({ev.num_draft_tokens, *ev.k_sweep})
-        progress["costs"] = step_costs(decoders.target, decoders.drafter.lm, prompts.first_ids, ks)
-        if ev.choose_k:
-            progress["k_choice"] = choose_ks(cfg, pilot, step_costs_of(progress), decoders.device)
+        # the pilot's τ chooses K; none without a warm-up (eval.warmup=0: K is eval.num_draft_tokens)
+        pilot_decodes = pilot(cfg, decoders, prompts) if ev.choose_k and ev.warmup else {}
+        progress["costs"] = measure_costs(decoders, prompts.first_ids, sorted({ev.num_draft_tokens, *ev.k_sweep}))
+        if pilot_decodes:
+            progress["k_choice"] = choose_ks(cfg, pilot_decodes, step_costs_of(progress), decoders.device)
             decoders.k_choice = progress["k_choice"]
     progress["sessions"].append(
         {
@@ -489,17 +493,6 @@ def decodes_left(blocks: list, prompts: Prompts, rows: dict) -> int:
     )
 
 
-def warm_up(cfg: DictConfig, decoders: Decoders, first_ids: torch.Tensor) -> dict:
-    """eval.warmup untimed decodes of every variant at every temperature (a cold device measures allocation and
-    kernel selection); (temperature, variant) -> the last one's Generation."""
-    ev, pilot = cfg.eval, {}
-    for t in ev.temperatures:
-        for _ in range(ev.warmup):
-            for name, method, k in decoders.variants(first_pass=True, pair=cfg.lang.pair, t=t):
-                pilot[t, name] = decoders.decode(method, k, first_ids, Sampling(t, ev.top_k, ev.top_p), ev.seeds[0])
-    return pilot
-
-
 def decode(
     cfg: DictConfig,
     decoders: Decoders,
@@ -601,9 +594,9 @@ def decode_shard(
                 if stopped():
                     return False
                 # the prompt's index, not its shard, seeds it: N processes sample what one does
-                ids, prompt_seed = prompts.token_ids[prompt], seed * 1_000_003 + index
+                ids, seed_of_prompt = prompts.token_ids[prompt], prompt_seed(seed, index)
                 generation = measure(
-                    lambda: decoders.decode(method, k, ids, sampling, prompt_seed, routed), ev.repetitions
+                    lambda: decoders.decode(method, k, ids, sampling, seed_of_prompt, routed), ev.repetitions
                 )
                 row["methods"][name] = method_row(generation, decoders.stop)
                 bar.update()
@@ -725,65 +718,6 @@ def worker(argv: list[str]) -> None:
         raise SystemExit(EXIT_PREEMPTED)
 
 
-def choose_target_dtype(cfg: DictConfig, target_path: str, device: torch.device, prompt_ids: torch.Tensor):
-    """The dtype every method decodes the target in, and the target loaded in it: the candidate
-    (pipeline/speculative/costs.py) whose verify of K+1 tokens is fastest on this machine, timed here; the
-    recipe's dtype where there is no other candidate."""
-    ev = cfg.eval
-    candidates = dtype_candidates(cfg.target.dtype, list(ev.dtype_candidates), half_precision_dtypes(device))
-    models = {dtype: load_model(target_path, dtype, device) for dtype in candidates}
-    if len(candidates) == 1:
-        return {"chosen": candidates[0]}, models[candidates[0]]
-    timings = time_steps(models, prompt_ids, ev.num_draft_tokens)
-    chosen = pick_dtype(timings, cfg.target.dtype)
-    print(
-        f"eval: target in {chosen} (recipe: {cfg.target.dtype}), measured here: "
-        + "; ".join(
-            f"{dtype} step {t['step_s'] * 1e3:.1f} ms, verify of {ev.num_draft_tokens + 1} tokens "
-            f"{t['verify_s'] * 1e3:.1f} ms"
-            for dtype, t in timings.items()
-        ),
-        flush=True,
-    )
-    return (
-        {
-            "chosen": chosen,
-            "recipe": canonical_dtype(cfg.target.dtype),
-            "verify_tokens": ev.num_draft_tokens + 1,
-            "timings": timings,
-        },
-        models[chosen],
-    )
-
-
-def choose_ks(cfg: DictConfig, pilot: dict, costs: dict, device: torch.device) -> dict:
-    """K per temperature and drafting method from the τ of the warm-up decodes at each K they ran (the K sweep's
-    too) and the measured costs; a method no K pays for gets the one line that says what it would need."""
-    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({cpu_model()})"
-    choice = {}
-    for t in cfg.eval.temperatures:
-        for method in ("speculative", "pld", "hybrid"):
-            taus = {
-                int(name.removeprefix(f"{method}_k")) if name != method else cfg.eval.num_draft_tokens: method_stats(
-                    [generation]
-                )["tau"]
-                for (pt, name), generation in pilot.items()
-                if pt == t and name.split("_k")[0] == method
-            }
-            if not taus:
-                continue
-            drafted = method in MODEL_DRAFTED
-            c, draft = (costs["c"], costs["draft"]) if drafted else (0.0, None)
-            picked = choose_k(taus, c, costs["v"], draft)
-            if picked["recommended_k"] == 0:
-                k = picked["k"]
-                picked["no_k_pays"] = no_k_pays(
-                    method, k, c, costs["v"][k], picked["tau"][k], machine, draft[k] if drafted else None
-                )
-            choice.setdefault(f"T={t}", {})[method] = picked
-    return choice
-
-
 def row_key(row: dict) -> tuple:
     return row["lang"], float(row["temperature"]), row["seed"], row["id"]
 
@@ -821,15 +755,6 @@ def preempted(path: Path, todo: int) -> int:
         flush=True,
     )
     return EXIT_PREEMPTED
-
-
-def step_costs_of(progress: dict) -> dict:
-    """The costs as step_costs returns them (progress.json's JSON keys v(K) and draft(K) by strings; an eval
-    begun before draft(K) was measured: an autoregressive drafter's K·c)."""
-    costs = progress["costs"]
-    v = {int(k): value for k, value in costs["v"].items()}
-    draft = {int(k): value for k, value in costs.get("draft", {k: k * costs["c"] for k in v}).items()}
-    return costs | {"v": v, "draft": draft}
 
 
 def finetuned_drafter(cfg: DictConfig, pair: str) -> str:

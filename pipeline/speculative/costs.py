@@ -9,11 +9,13 @@
   stays near the one-token cost. Half precision changes the target's greedy output only at numerical ties,
   which the greedy gate tolerates (pipeline/evaluation/gate.py). The drafter then runs in the chosen dtype too, as
   vLLM and transformers' assisted generation serve a draft model in the target's.
-- **K per method and temperature** (``eval.choose_k``). From the τ of the warm-up decodes and the measured c
-  and v(K), the K among the measured ones whose predicted speedup τ(K) / (K·c + v(K)) is highest (a parallel
-  drafter's round costs its one measured forward, draft(K), instead of K·c). When no K is
-  predicted above 1, the method still runs at that K (so the table shows what it measures), its recommended K
-  is 0 (the target alone) and one line says what the drafter would need.
+- **K per method and temperature** (``eval.choose_k``). From the τ of the pilot decodes (several held-out
+  prompts, pipeline/evaluation/choices.py) and the measured c and v(K), the K among the measured ones whose
+  predicted speedup τ(K) / (K·c + v(K)) is highest (a parallel drafter's round costs its one measured forward,
+  draft(K), instead of K·c). When no K is predicted above 1, the method still runs at that K (so the table
+  shows what it measures), its predicted K is 0 (the target alone) and one line says what the drafter would
+  need. A prediction, not a verdict: the eval holds it against the decode's measured speedups, and where they
+  disagree, the measurement stands.
 """
 
 from __future__ import annotations
@@ -105,13 +107,14 @@ def choose_k(taus: dict[int, float], c: float, v: dict[int, float], draft: dict[
 
 
 def no_k_pays(method: str, k: int, c: float, v: float, tau: float, machine: str, draft: float | None = None) -> str:
-    """The one line that says why no K pays: what a round costs and the τ it would need."""
+    """The one line that says why no K is predicted to pay: what a round costs and the τ it would need. ``draft``:
+    a parallel drafter's one forward; None: an autoregressive drafter's K steps, K·c."""
     cost = (k * c if draft is None else draft) + v
     drafting = f"{k} × c {c:.3f}" if draft is None else f"one parallel draft forward {draft:.3f}"
     return (
-        f"{method}: no K pays on this {machine}: a round of {k} drafts costs {cost:.2f} target steps "
-        f"({drafting} + v({k}) {v:.2f}); the drafter would need τ ≥ {cost:.2f} to break even; "
-        f"τ at K={k} in the warm-up: {tau:.2f}"
+        f"{method}: no K is predicted to pay on this {machine}: a round of {k} drafts costs {cost:.2f} target "
+        f"steps ({drafting} + v({k}) {v:.2f}); the drafter would need τ ≥ {cost:.2f} to break even; "
+        f"τ at K={k} in the pilot: {tau:.2f}"
     )
 
 

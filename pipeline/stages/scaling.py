@@ -13,8 +13,9 @@ forced on the first ``scaling.heldout_prompts`` of the eval stage's held-out pro
 greedy answers: per answer token, the T=0 agreement of the argmaxes and the T=1 acceptance Σ min(p, q), with
 standard errors. Under the i.i.d. model of Leviathan et al. a per-token acceptance a predicts
 τ = (1 − a^(K+1)) / (1 − a) and the speedup τ / (K·c + v(K)), with c and v(K) measured here once (every point
-has the same drafter architecture). The ``scaling.anchors`` also run the eval stage (target and speculative,
-the first seed), whose measured τ and speedup check those predictions.
+has the same drafter architecture) with the models as the eval serves them: the target in the dtype the eval
+would choose on this machine, the drafter in the target's. The ``scaling.anchors`` also run the eval stage
+(target and speculative, the first seed), whose measured τ and speedup check those predictions.
 
 Per series, a least-squares line of the predicted T=0 τ against log2(distilled answers) gives the gain per
 doubling of the data and, were the trend to hold, the data the paper's τ 3.03 (Vicuna-7B and its 68M drafter,
@@ -36,6 +37,7 @@ from omegaconf import DictConfig
 from pipeline.config import FinetuneMode, ScalingSeries, with_overrides
 from pipeline.device import resolve_device
 from pipeline.errors import USER_ERRORS
+from pipeline.evaluation.choices import choose_target_dtype
 from pipeline.evaluation.heldout import greedy_heldout_examples
 from pipeline.evaluation.teacher_forced import SharedTeacherForced
 from pipeline.models.drafter import load_drafter
@@ -153,20 +155,27 @@ def measure(cfg: DictConfig, found: dict[str, dict]) -> tuple[dict, dict, int]:
             "t0_agreement": mean_and_standard_error(agreement),
             "t1_acceptance": mean_and_standard_error(acceptance),
         }
-    # c and v(K): one drafter stands for all (the same architecture); the first call is a warm-up
-    k = cfg.eval.num_draft_tokens
+    del scorer, target  # the scoring target's memory, before the served one loads
     first_ids = torch.tensor([examples[0]["input_ids"][: examples[0]["labels"].count(IGNORE)]], device=device)
-    lms = CachedModel(target), CachedModel(model, vocab)
-    step_costs(*lms, first_ids, [k], repetitions=2)
-    costs = step_costs(*lms, first_ids, [k])
+    costs = served_costs(cfg, target_path, device, model, vocab, first_ids)
     return measured, costs, sum(len(e["labels"]) - e["labels"].count(IGNORE) for e in examples)
+
+
+def served_costs(cfg: DictConfig, target_path: str, device: torch.device, drafter, vocab, first_ids) -> dict:
+    """c, v(K) and draft(K) as the eval serves the models: the target in the dtype the eval would decode it in
+    (pipeline/evaluation/choices.py), the drafter in the target's; one drafter stands for all (the same
+    architecture). The first measurement is a warm-up."""
+    choice, target = choose_target_dtype(cfg, target_path, device, first_ids, who="scaling")
+    lms = CachedModel(target), CachedModel(drafter.to(target.dtype), vocab)
+    step_costs(*lms, first_ids, [cfg.eval.num_draft_tokens], repetitions=2)
+    return step_costs(*lms, first_ids, [cfg.eval.num_draft_tokens]) | {"dtype": choice["chosen"]}
 
 
 def predictions(agreement: float, acceptance: float, k: int, costs: dict) -> dict:
     """τ and speedup predicted from per-token acceptances (i.i.d. over the K draft positions)."""
-    c, v = costs["c"], costs["v"][k]
+    c, v, draft = costs["c"], costs["v"][k], costs["draft"][k]  # draft: K·c, or a parallel drafter's one forward
     return {
-        f"T{t}": {"tau": round(expected_tokens(a, k), 3), "speedup": round(predicted_speedup(a, k, c, v), 3)}
+        f"T{t}": {"tau": round(expected_tokens(a, k), 3), "speedup": round(predicted_speedup(a, k, c, v, draft), 3)}
         for t, a in ((0, agreement), (1, acceptance))
     }
 
@@ -274,7 +283,12 @@ def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
         "K": k,
         "heldout_prompts": sc.heldout_prompts,
         "heldout_answer_tokens": heldout_tokens,
-        "costs": {"c": round(costs["c"], 4), f"v({k})": round(costs["v"][k], 4)},
+        "costs": {
+            "c": round(costs["c"], 4),
+            f"draft({k})": round(costs["draft"][k], 4),
+            f"v({k})": round(costs["v"][k], 4),
+            "dtype": costs["dtype"],
+        },
         "paper_tau": PAPER_TAU,
         "points": {},
         "series": {},
