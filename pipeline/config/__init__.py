@@ -25,6 +25,7 @@ from pipeline.config.schemas import (
     ParallelDraftConfig,
     PromptFormat,
     ScalingSeries,
+    ServeMethod,
     SourceKind,
     TrainConfig,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "ParallelDraftConfig",
     "PromptFormat",
     "ScalingSeries",
+    "ServeMethod",
     "SourceKind",
     "TrainConfig",
     "compose_config",

@@ -17,6 +17,7 @@ from pipeline.config.schemas import (
     EvalConfig,
     ExportConfig,
     ScalingConfig,
+    ServeBenchConfig,
     SourceKind,
     TargetConfig,
     TrainGroupConfig,
@@ -33,6 +34,7 @@ SECTIONS = {
     "eval": EvalConfig,
     "export": ExportConfig,
     "scaling": ScalingConfig,
+    "serve_bench": ServeBenchConfig,
 }
 
 
