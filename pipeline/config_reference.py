@@ -25,7 +25,20 @@ from omegaconf import MISSING, OmegaConf
 from pipeline import config
 
 # The sections of Config, in the order a user meets them; the config groups among them have conf/<group>/.
-SECTIONS = ("target", "drafter", "lang", "data", "distill", "train", "eval", "export", "scaling", "logger", "paths")
+SECTIONS = (
+    "target",
+    "drafter",
+    "lang",
+    "data",
+    "distill",
+    "train",
+    "eval",
+    "export",
+    "scaling",
+    "serve_bench",
+    "logger",
+    "paths",
+)
 RECIPE = config.DEFAULT_RECIPE  # the reference shows this recipe's composed value of every key beside the default
 MAX_CELL = 60  # longer values are cut in the recipe column (`specdraft config` prints them whole)
 

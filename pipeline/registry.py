@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from pipeline.config import FinetuneMode
+from pipeline.config import FinetuneMode, ServeMethod
 
 
 def finetune_inputs(cfg: DictConfig) -> list[str]:
@@ -21,6 +21,10 @@ def finetune_inputs(cfg: DictConfig) -> list[str]:
 
 def eval_inputs(cfg: DictConfig) -> list[str]:
     return [] if cfg.eval.drafter_path else ["finetune"]
+
+
+def serve_bench_inputs(cfg: DictConfig) -> list[str]:
+    return ["export"] if ServeMethod.drafter in cfg.serve_bench.methods else []
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,7 @@ class Stage:
 
     @property
     def module(self) -> str:
-        return f"pipeline.stages.{self.name}"
+        return f"pipeline.stages.{self.name.replace('-', '_')}"  # serve-bench: a command's name, a module's
 
 
 REGISTRY = {
@@ -154,6 +158,34 @@ REGISTRY = {
             lambda cfg: ["distill", "pretrain"],
             in_pipeline=False,
             report="scaling.txt",
+        ),
+        Stage(
+            "serve-bench",
+            "the target served by vLLM alone, with LANG's exported drafter and vLLM's own proposers, under a ladder "
+            "of concurrent loads: tokens/s, TPOT, TTFT, acceptance, and where each method stops paying",
+            (
+                "serve_bench.concurrency",
+                "serve_bench.methods",
+                "serve_bench.num_prompts",
+                "serve_bench.num_draft_tokens",
+                "serve_bench.k_schedule",
+                "distill.server.tensor_parallel",
+            ),
+            # The server's launch settings (dtype, parallelism, KV cache, extra args) change what is measured.
+            (
+                "target",
+                "drafter",
+                "lang",
+                "serve_bench",
+                "distill.server",
+                "eval.num_draft_tokens",
+                "eval.max_new_tokens",
+                "eval.top_p",
+                "eval.top_k",
+            ),
+            serve_bench_inputs,
+            in_pipeline=False,
+            report="serve_bench.md",
         ),
     )
 }

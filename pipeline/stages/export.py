@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from pathlib import Path
 
 import jinja2
 import torch
@@ -290,6 +291,9 @@ def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
         "vllm_dir": VLLM_DIR,
         "greedy_line": greedy_gate_line(smoke["greedy"], "the target alone (transformers, no assistant)"),
         "eval_command": make_command(cfg, "eval", ("eval.engine=vllm",)),
+        "serve_bench_command": make_command(cfg, "serve-bench"),
+        # the serve-bench stage's folder: beside the export's (pipeline/rundir.py)
+        "serve_bench_dir": Path(counts["folder"]).parent.with_name("serve-bench"),
     }
     if vllm["speculative_config"] is not None:
         sizes = vllm["tensor_parallel_sizes"]
