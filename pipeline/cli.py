@@ -138,10 +138,7 @@ def parser(with_help: bool = True) -> argparse.ArgumentParser:
                 description=gpu_check.__doc__.split("\n\n")[0],
                 parents=[config_dir],
                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                epilog=f"parts: {', '.join(gpu_check.PARTS)}; on a GPU in three commands: "
-                + " | ".join(f"--parts {p}" for p in gpu_check.GPU_PLAN)
-                + "\n\n"
-                + common,
+                epilog=f"parts: {', '.join(gpu_check.PARTS)}\n\n" + common,
             )
             gpu_check.add_arguments(sub)
             continue

@@ -5,17 +5,24 @@ from __future__ import annotations
 import copy
 import tempfile
 from pathlib import Path
+from time import perf_counter
 
 import torch
 
 from pipeline.bench import ties
-from pipeline.gpu_check.checks import CheckFailed, K, _train, ensure, stop
+from pipeline.gpu_check.checks import K, ensure, stop, train_drafter, training_config, training_examples
 from pipeline.gpu_check.models import calibrate, last_token_pair, prompt_ids, random_model
 from pipeline.speculative.engine import CachedModel, ModelDrafter, generate, hf_generate, predicted_speedup, step_costs
-from pipeline.speculative.metrics import measure, method_stats, timed
+from pipeline.speculative.metrics import method_stats, timed
 from pipeline.speculative.sampler import Sampling
 
 ALPHAS = (0.5, 0.8)
+# The ties' target: a random model's logits are about N(0, 1.3), a trained model's top-1 logit mostly 15 to 35
+# (SmolLM2-135M on text: median 26.8, docs/gpu-check.md), and bf16's rounding grows with it (its spacing is 0.125
+# from 16 to 32): the random target's output layer is scaled so its median top-1 logit is this.
+TRAINED_TOP1_LOGIT = 24.0
+# torch.compile is timed on these devices only: on a CPU its compilation takes minutes and says nothing of a GPU.
+COMPILED_ON = ("cuda",)
 
 
 def peak_gib(device: torch.device) -> float | None:
@@ -46,6 +53,7 @@ def measure_costs(ctx) -> dict:
     for context in ctx.shapes.contexts:
         for dtype, lm in drafters.items():
             costs = costs_at(ctx, target, lm, context)
+            ctx.cache[("costs", context, dtype)] = costs
             figures[f"context_{context}/drafter_{dtype}"] = {
                 "target_ms_per_step": round(costs["target_step_s"] * 1000, 3),
                 "drafter_ms_per_step": round(costs["drafter_step_s"] * 1000, 3),
@@ -57,7 +65,6 @@ def measure_costs(ctx) -> dict:
             value["target_ms_per_step"] > 0 and all(v > 0 for v in value["v"].values()),
             f"{key}: a cost is not positive",
         )
-    ctx.cache["costs"] = figures
     return figures | {
         "peak_memory_gib": peak_gib(ctx.device),
         "target": f"random bf16 Llama {ctx.shapes.target}, vocab {ctx.shapes.vocab}",
@@ -65,60 +72,52 @@ def measure_costs(ctx) -> dict:
     }
 
 
+WARMUP_TOKENS = 8  # a short decode of each method before its measured ones: kernel selection, allocation
+
+
 def measure_engine(ctx) -> dict:
     """Our engine against transformers' assisted generation and plain generate, same models, K=4, T=0 and 1, on
     the last-token pair calibrated to alpha 0.5 and 0.8: tokens/s, tau, measured / predicted speedup, Python
-    overhead per round (round time minus the forwards step_costs predicts for it)."""
+    overhead per round (round time minus the forwards step_costs predicts for it). One decode per prompt and method,
+    after a short warm-up decode; the target-only decodes (which no alpha changes) once per T."""
     shapes = ctx.shapes
     target_model, drafter, table = pair(ctx)
-    target, drafter_lm = CachedModel(target_model), CachedModel(drafter)
+    target = CachedModel(target_model)
     context = shapes.contexts[0]
-    costs = costs_at(ctx, target, drafter_lm, context)
+    costs = ctx.cache.get(("costs", context, "fp32")) or costs_at(ctx, target, CachedModel(drafter), context)
     prompts = [prompt_ids(shapes, context, ctx.device, seed=s) for s in range(shapes.prompts)]
+
+    def decode(method: str, sampling: Sampling, ids: torch.Tensor, seed: int, tokens: int):
+        generator = torch.Generator(device=ctx.device).manual_seed(seed)
+        if method == "target":
+            return generate(target, ids, tokens, stop(), sampling, generator=generator)
+        if method == "ours":
+            return generate(
+                target, ids, tokens, stop(), sampling, drafter=ModelDrafter(drafter), k=K, generator=generator
+            )
+        assistant = drafter if method == "hf_assisted" else None
+        return timed(
+            lambda: hf_generate(target_model, ids, tokens, stop(), sampling, seed, assistant=assistant, k=K),
+            ctx.device,
+        )
+
+    def stats_of(methods: tuple[str, ...], sampling: Sampling) -> dict:
+        for method in methods:
+            decode(method, sampling, prompts[0], 0, WARMUP_TOKENS)
+        return {
+            method: method_stats(
+                [decode(method, sampling, ids, seed, shapes.max_new_tokens) for seed, ids in enumerate(prompts)]
+            )
+            for method in methods
+        }
+
+    samplings = {t: Sampling(t) for t in (0.0, 1.0)}
+    baselines = {t: stats_of(("target", "hf"), sampling) for t, sampling in samplings.items()}
     figures = {"costs": {"c": costs["c"], "v_K": costs["v"][K], "target_step_ms": costs["target_step_s"] * 1000}}
     for alpha in ALPHAS:
         calibration = calibrate(target_model, drafter, table, alpha, shapes.vocab, ctx.device)
-        for t in (0.0, 1.0):
-            sampling = Sampling(t)
-            ours_drafter = ModelDrafter(drafter)
-            methods = {
-                "target": lambda ids, seed: generate(
-                    target,
-                    ids,
-                    shapes.max_new_tokens,
-                    stop(),
-                    sampling,
-                    generator=torch.Generator(device=ctx.device).manual_seed(seed),
-                ),
-                "ours": lambda ids, seed: generate(
-                    target,
-                    ids,
-                    shapes.max_new_tokens,
-                    stop(),
-                    sampling,
-                    drafter=ours_drafter,
-                    k=K,
-                    generator=torch.Generator(device=ctx.device).manual_seed(seed),
-                ),
-                "hf": lambda ids, seed: timed(
-                    lambda: hf_generate(target_model, ids, shapes.max_new_tokens, stop(), sampling, seed), ctx.device
-                ),
-                "hf_assisted": lambda ids, seed: timed(
-                    lambda: hf_generate(
-                        target_model, ids, shapes.max_new_tokens, stop(), sampling, seed, assistant=drafter, k=K
-                    ),
-                    ctx.device,
-                ),
-            }
-            for decode in methods.values():  # warm-up
-                decode(prompts[0], 0)
-            outputs = {
-                name: [
-                    measure(lambda: decode(ids, seed), shapes.repetitions // 2 or 1) for seed, ids in enumerate(prompts)
-                ]
-                for name, decode in methods.items()
-            }
-            stats = {name: method_stats(gens) for name, gens in outputs.items()}
+        for t, sampling in samplings.items():
+            stats = baselines[t] | stats_of(("ours", "hf_assisted"), sampling)
             base = stats["target"]["tokens_per_s"]
             ours = stats["ours"]
             rounds = ours["target_calls"]
@@ -138,13 +137,25 @@ def measure_engine(ctx) -> dict:
     return figures
 
 
+@torch.no_grad()
+def scale_to_trained_logits(model, ids: torch.Tensor) -> dict:
+    """Scale ``model``'s output layer so its median top-1 logit over ``ids``' positions is TRAINED_TOP1_LOGIT."""
+    logits = model(input_ids=ids).logits[0].float()
+    factor = TRAINED_TOP1_LOGIT / float(logits.amax(-1).median())
+    model.lm_head.weight.mul_(factor)
+    return {"head_scale": round(factor, 3), "logit_std": round(float(logits.std() * factor), 3)}
+
+
 def measure_ties(ctx) -> dict:
-    """bf16 ties at the target shape (a random model, real attention): |delta logit| quantiles between one-token,
-    K+1-chunk and uncached forwards (pipeline/bench/ties.py), argmax flips, and the smallest tie tolerance of
-    ties.TOLERANCES above every flip's gap (what eval.tie_tolerance must be at least)."""
+    """bf16 ties at the target shape (a random model, real attention, its output layer scaled to a trained model's
+    logits): |delta logit| quantiles between one-token, K+1-chunk and uncached forwards (pipeline/bench/ties.py),
+    argmax flips, and the recommended tie tolerance: the smallest of ties.TOLERANCES above every top-2 gap shift
+    and every flip's gap seen (a greedy output leaves the target's only where the two paths disagree that much: what
+    eval.tie_tolerance must be at least)."""
     shapes = ctx.shapes
     ctx.cache.pop("pair", None)  # free the pair's target first: two 7B models need 27 GB
     model = random_model(shapes.target, shapes.vocab, ctx.device, torch.bfloat16, seed=11)
+    scale = scale_to_trained_logits(model, prompt_ids(shapes, shapes.contexts[0], ctx.device, seed=99))
     per_prompt = []
     for seed in range(shapes.prompts):
         ids = prompt_ids(shapes, shapes.contexts[0], ctx.device, seed=100 + seed)
@@ -157,40 +168,97 @@ def measure_ties(ctx) -> dict:
     ensure(bool(per_prompt), "no answer of two tokens or more to compare")
     stats = {key: torch.cat([s[key] for s in per_prompt]) for key in per_prompt[0]}
     summary = ties.summary(stats)
-    flips = summary["b"]["gaps_at_flips"] + summary["c"]["gaps_at_flips"]
-    largest = max(flips, default=0.0)
-    passing = next((t for t in ties.TOLERANCES if t > largest), None)
+    largest = {
+        "largest_gap_shift": max(summary[way]["gap_shift_quantiles"]["1.0"] for way in ("b", "c")),
+        "largest_gap_at_a_flip": max(summary["b"]["gaps_at_flips"] + summary["c"]["gaps_at_flips"], default=0.0),
+    }
     del model
-    return summary | {"largest_gap_at_a_flip": largest, "smallest_passing_tie_tolerance": passing}
+    return (
+        summary
+        | scale
+        | largest
+        | {"recommended_tie_tolerance": next((t for t in ties.TOLERANCES if t > max(largest.values())), None)}
+    )
+
+
+class Stopwatch:
+    """Marks on the device's timeline, read as seconds between two of them: CUDA events on a GPU (what the GPU was
+    doing between the marks, idle gaps included), ``perf_counter`` on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
+
+
+def training_throughput(ctx, compile_model: bool) -> dict:
+    """The training loop at the shapes' batch: ``warmup_steps`` steps (torch.compile compiles in them), then
+    ``timed_steps`` timed between two log steps, before the run's final checkpoint."""
+    train = ctx.shapes.train
+    warmup, timed_steps = train["warmup_steps"], train["timed_steps"]
+    steps = warmup + timed_steps
+    stopwatch = Stopwatch(ctx.device)
+    marks = {}
+
+    def log(metrics, step):  # the loop has just read the loss back: the steps so far are done
+        if step in (warmup, steps):
+            marks[step] = (stopwatch.mark(), metrics["tokens_seen"])
+
+    # logs (each a host sync, as in any run) at the end of the warm-up, once in between, at the end
+    tc = training_config(ctx.shapes, steps, log_every=warmup, save_every=steps)
+    examples = training_examples(ctx.shapes, train["batch_size"] * steps, varied_lengths=False)
+    with tempfile.TemporaryDirectory() as folder:
+        started = stopwatch.mark()
+        summary = train_drafter(ctx, Path(folder), tc, examples, log, compile_model=compile_model)
+    (warm, tokens_before), (end, tokens_after) = marks[warmup], marks[steps]
+    seconds = stopwatch.seconds(warm, end)
+    return {
+        "tokens_per_s": round((tokens_after - tokens_before) / seconds, 1),
+        "ms_per_step": round(seconds / timed_steps * 1000, 2),
+        "warmup_s": round(stopwatch.seconds(started, warm), 2),
+        "peak_memory_gib": summary.get("peak_memory_gib"),
+        "timed_steps": timed_steps,
+        "warmup_steps": warmup,
+        "batch": f"{train['batch_size']}x{train['max_length']}",
+    }
 
 
 def measure_training(ctx) -> dict:
-    """Drafter training throughput at the shapes' batch (tokens/s, ms/step, peak memory), eager and, on CUDA,
-    with torch.compile (a measurement: a compile failure is reported, not failed)."""
-    steps = ctx.shapes.train["steps"]
-    figures = {}
-    variants = ("eager", "compile") if ctx.device.type == "cuda" else ("eager",)
-    for variant in variants:
-        with tempfile.TemporaryDirectory() as folder:
-            try:
-                run = _train(ctx, Path(folder), steps, save_every=10 * steps, compile_model=variant == "compile")
-            except CheckFailed:
-                raise
-            except Exception as exc:  # noqa: BLE001 - compile failing is a finding here
-                if variant == "eager":
-                    raise
-                figures[variant] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
-                continue
-        s = run["summary"]
-        figures[variant] = {
-            "tokens_per_s": s["tokens_per_s"],
-            "ms_per_step": round(s["train_time_s"] / steps * 1000, 1),
-            "peak_memory_gib": s.get("peak_memory_gib"),
-            "steps": steps,
-            "batch": f"{ctx.shapes.train['batch_size']}x{ctx.shapes.train['max_length']}",
-        }
-    if ctx.device.type != "cuda":
-        figures["compile"] = "measured on CUDA only"
+    """Drafter training throughput at the shapes' batch (tokens/s, ms/step, peak memory), timed after warm-up steps
+    and before the final checkpoint, eager and, on CUDA, with torch.compile: its steady state and, apart, its
+    compilation (its warm-up's excess over eager's) and the steps after which it pays (a measurement: a compile
+    failure is reported, not failed)."""
+    figures = {"eager": training_throughput(ctx, compile_model=False)}
+    if not (ctx.shapes.compile and ctx.device.type in COMPILED_ON):
+        figures["compile"] = "not measured: " + ("--quick" if not ctx.shapes.compile else "CUDA only")
+    else:
+        try:
+            compiled = training_throughput(ctx, compile_model=True)
+        except Exception as exc:  # noqa: BLE001 - compile failing is a finding here
+            compiled = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
+        if "error" not in compiled:
+            eager, warmup = figures["eager"], compiled["warmup_steps"]
+            compilation = (compiled["warmup_s"] - warmup * compiled["ms_per_step"] / 1000) - (
+                eager["warmup_s"] - warmup * eager["ms_per_step"] / 1000
+            )
+            saved_ms = eager["ms_per_step"] - compiled["ms_per_step"]
+            compiled |= {
+                "compilation_s": round(compilation, 1),
+                "speedup": round(eager["ms_per_step"] / compiled["ms_per_step"], 3),
+                "pays_after_steps": round(compilation / saved_ms * 1000) if saved_ms > 0 else None,
+            }
+        figures["compile"] = compiled
     figures["eval_engine_static_cache_compile"] = (
         "not adopted: the engine's DynamicCache crop-based rollback has no exact static-cache counterpart yet"
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -33,11 +33,13 @@ class Shapes:
     drafter: dict
     contexts: tuple[int, ...]  # prompt lengths the costs are measured at
     ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
-    max_new_tokens: int = 64
-    prompts: int = 4
-    repetitions: int = 5
+    max_new_tokens: int = 64  # per decode of the engine and ties measurements
+    prompts: int = 3  # the engine's and the ties' prompts, one decode each per method
+    repetitions: int = 10  # step_costs' medians
     sampler_rows: int = 200_000
-    train: dict = field(default_factory=dict)  # batch_size, max_length, steps
+    # batch_size, max_length; warmup_steps then timed_steps (a multiple of warmup_steps) for the throughput
+    train: dict = field(default_factory=dict)
+    compile: bool = True  # time a torch.compile'd training step too (CUDA only)
 
 
 SHAPES = {
@@ -56,7 +58,7 @@ SHAPES = {
         prompts=2,
         repetitions=3,
         sampler_rows=20_000,
-        train=dict(batch_size=4, max_length=32, steps=4),
+        train=dict(batch_size=4, max_length=32, warmup_steps=2, timed_steps=4),
     ),
     "real": Shapes(
         "real",
@@ -72,15 +74,28 @@ SHAPES = {
             hidden_size=768, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=12, num_key_value_heads=12
         ),
         contexts=(128, 1024),
-        max_new_tokens=128,
-        prompts=4,
+        max_new_tokens=64,
+        prompts=3,
         repetitions=10,
         sampler_rows=1_000_000,
-        train=dict(batch_size=32, max_length=512, steps=20),
+        train=dict(batch_size=32, max_length=512, warmup_steps=10, timed_steps=20),
     ),
 }
-# The correctness checks run small models on every device: what they check does not depend on the size.
+# The correctness checks and the stages run small models on every device: what they check does not depend on the
+# size (the costs, engine, ties and throughput measure the real shapes).
 SMALL = SHAPES["tiny"]
+
+
+def quick(shapes: Shapes) -> Shapes:
+    """``--quick``: fewer prompts, shorter decodes, fewer repetitions, no compiled training step (docs/gpu-check.md
+    gives both times)."""
+    return replace(
+        shapes,
+        prompts=2,
+        max_new_tokens=min(shapes.max_new_tokens, 32),
+        repetitions=max(shapes.repetitions // 2, 3),
+        compile=False,
+    )
 
 
 def llama_config(fields: dict, vocab: int) -> LlamaConfig:
