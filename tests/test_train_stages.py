@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import stat
 import time
 
 import psutil
@@ -382,6 +383,7 @@ def test_finetune_tokenizes_the_same_records_once_for_requeues_reruns_and_other_
     assert tokenized[-2:] == [16, 0] and "teacher_coverage" in kd
     caches = [p for p in (tmp_path / "finetune-examples").iterdir() if not p.name.startswith(".")]
     assert len(caches) == 4 and not list((tmp_path / "finetune-examples").glob(".*.partial"))
+    assert all(stat.S_IMODE(cache.stat().st_mode) == 0o700 for cache in caches)  # private, as the distilled records
 
 
 PARALLEL = [

@@ -102,6 +102,7 @@ def cached_examples(cfg: DictConfig, directory: StageDir) -> Path:
 
 def write_examples(cfg: DictConfig, distill: StageDir, tokenizer, folder: Path) -> None:
     """Tokenize the distilled records into ``folder``: the examples, the held-out ones, then ``COUNTS``."""
+    folder.chmod(0o700)  # the target's answers, private as the stage folders that hold them
     tc = cfg.train.finetune
     records = [record for part in distill.parts for record in read_records(part.path / "records")]
     if not records:
