@@ -687,12 +687,13 @@ def head_finetuned(head_pretrained):
     """The head finetuned (P-F) on the pair's records, then measured by the eval stage on our engine: its args."""
     args = overrides(head_pretrained, *HEAD)
     assert cli(["finetune", *args]) == 0
-    assert cli(["eval", *args, "eval.methods=[target,speculative,hybrid]"]) == 0
+    # K = eval.num_draft_tokens, as vLLM serves the export: the two engines' acceptance compare at one K
+    assert cli(["eval", *args, "eval.methods=[target,speculative,hybrid]", "eval.choose_k=false"]) == 0
     return args
 
 
 def eval_metrics(args: list[str]) -> dict:
-    """The eval stage's metrics.json (eval/, or eval-vllm/ with eval.engine=vllm)."""
+    """The eval stage's metrics.json (eval/, or eval-vllm/ with eval.engine=vllm: the folder ignores other keys)."""
     return json.loads((stage_dir(compose_config(args), "eval").path / "metrics.json").read_text())
 
 
