@@ -155,3 +155,12 @@ def test_every_head_config_composes_and_a_standalone_refuses_head_keys():
         assert compose_config(["recipe=local", f"drafter={name}"]).drafter.architecture == "eagle3"
     with pytest.raises(ConfigError, match="an eagle3 head's"):
         compose_config(["recipe=local", "drafter.loss=kd_forward_kl"])
+
+
+def test_scaling_refuses_a_head_in_one_line():
+    from pipeline.config import compose_config
+    from pipeline.stages import scaling
+
+    with pytest.raises(ConfigError, match="scores standalone drafters: an eagle3 head's") as error:
+        scaling.run(compose_config(["recipe=ci", "drafter=eagle3-ci"]), None, None)
+    assert "\n" not in str(error.value)
