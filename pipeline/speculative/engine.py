@@ -119,8 +119,11 @@ class ModelDrafter:
 
     def propose(self, sequence, k, sampling, generator) -> Draft:
         """Up to k drafts, sampled from the drafter's distribution over its own vocabulary."""
+        return self.draft_from(self.lm.feed(sequence)[:, -1], sequence, k, sampling, generator)
+
+    def draft_from(self, logits, sequence, k, sampling, generator) -> Draft:
+        """Up to k drafts: the first from (1, N) ``logits``, each next one from the drafter's step on the last."""
         tokens, probs = [], []
-        logits = self.lm.feed(sequence)[:, -1]
         for i in range(k):
             if not self.pick(logits, sampling, generator, tokens, probs):
                 break
@@ -238,13 +241,7 @@ class Eagle3Drafter(ModelDrafter):
         hidden = self.lm.model.fuse(self.target.states[:, start:end])
         logits = self.lm.read(hidden, sequence[:, start + 1 : end + 1], keep=1)[:, -1]
         self.context = end
-        tokens, probs = [], []
-        for i in range(k):
-            if not self.pick(logits, sampling, generator, tokens, probs):
-                break
-            if i < k - 1:
-                logits = self.lm.forward(tokens[-1][:, None], keep=1)[:, -1]
-        return self.draft(sequence, tokens, probs)
+        return self.draft_from(logits, sequence, k, sampling, generator)
 
     def rollback(self, length: int) -> None:
         self.lm.rollback(min(length, self.context))

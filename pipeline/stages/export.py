@@ -132,12 +132,7 @@ def export_eagle3_head(cfg: DictConfig, target_path: str, finetuned: str, folder
         "vllm": {"speculative_config": spec, "reason": problem},
         "check_command": check,
     }
-    values = {
-        "drafter_name": cfg.drafter.name,
-        "target_name": cfg.target.name,
-        "pair": cfg.lang.pair,
-        "recipe": cfg.recipe,
-        "git": git_revision(),
+    values = run_values(cfg) | {
         "layer_ids": AutoConfig.from_pretrained(folder).eagle_aux_hidden_state_layer_ids,
         "reduced": counts["reduced_vocab"],
         "target_path": target_path,
@@ -265,16 +260,22 @@ def compare_tau(rows: list[dict], k: int) -> dict:
     }
 
 
-def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
-    """The exported folder's README (templates/export_README.md.j2): what it is, the transformers and vLLM
-    snippets, and the smoke check."""
-    smoke, vllm = counts["smoke_check"], counts["vllm"]
-    values = {
+def run_values(cfg: DictConfig) -> dict:
+    """What both READMEs say of the run the drafter came from."""
+    return {
         "drafter_name": cfg.drafter.name,
         "target_name": cfg.target.name,
         "pair": cfg.lang.pair,
         "recipe": cfg.recipe,
         "git": git_revision(),
+    }
+
+
+def readme(cfg: DictConfig, target_path: str, counts: dict) -> str:
+    """The exported folder's README (templates/export_README.md.j2): what it is, the transformers and vLLM
+    snippets, and the smoke check."""
+    smoke, vllm = counts["smoke_check"], counts["vllm"]
+    values = run_values(cfg) | {
         "reduced": counts["reduced_vocab"],
         "target_path": target_path,
         "folder": counts["folder"],
