@@ -186,17 +186,17 @@ class Stopwatch:
     doing between the marks, idle gaps included), ``perf_counter`` on a CPU."""
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+        self.device = device
 
     def mark(self):
-        if not self.cuda:
+        if self.device.type != "cuda":
             return perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def seconds(self, start, end) -> float:
-        if not self.cuda:
+        if self.device.type != "cuda":
             return end - start
         end.synchronize()
         return start.elapsed_time(end) / 1000
