@@ -292,6 +292,9 @@ class DistillConfig:
     max_tokens: int = 256  # longest answer
     top_logprobs: int = 0  # store the top-N log-probabilities per token (0: none)
     concurrency_per_replica: int = 32  # requests in flight per server replica (x distill.server.data_parallel in all)
+    # processes sending the requests; auto: one per 256 requests in flight (one process's CPU time per request grows
+    # with its connections), 1 (the stage itself) up to 256
+    client_processes: Any = "auto"
     request_timeout_s: float = 300.0  # one request's time limit
     max_retries: int = 5  # retries of a failed request (transient errors)
     # share of the records a stage may lack after requests the server rejected (HTTP 400...) and still be
@@ -313,6 +316,8 @@ class DistillConfig:
             )
         if section.concurrency_per_replica < 1:
             problems.append(f"{key}.concurrency_per_replica must be >= 1")
+        if not _positive_or_auto(section.client_processes):
+            problems.append(f"{key}.client_processes must be >= 1 or auto, not {section.client_processes}")
         if section.num_shards < 1 or not 0 <= section.shard < section.num_shards:
             problems.append(
                 f"{key}.shard={section.shard} of {key}.num_shards={section.num_shards}: "
