@@ -398,7 +398,7 @@ def test_two_replicas_kill_9_mid_run_then_the_rerun_asks_exactly_the_missing_rec
     assert not live_members(group)
     log = (path / "server" / "vllm.log").read_text()
     assert "'data_parallel_size': 2" in log and "EngineCore_DP1" in log  # two engine cores started
-    assert "APIServer_1" in log  # and two API-server processes
+    assert "ApiServer_1" in log  # and two API-server processes
 
     written = b"".join(shard.read_bytes() for shard in sorted((path / "records").glob("*.jsonl")))
     complete = [json.loads(line) for line in written.split(b"\n")[:-1]]  # every whole line parses: none torn
