@@ -6,14 +6,18 @@ server (killed mid-run, SIGTERM) start their own, since they end it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import resource
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -26,7 +30,8 @@ from pipeline.models.provision import load_tokenizer
 from pipeline.prompts import build_prompt
 from pipeline.rundir import StageInputError, stage_dir
 from pipeline.serving.server import INFO_FILE, ServingError
-from pipeline.stages.distill import load_records, request_seed, shard_of
+from pipeline.stages.distill import FanOut, fan_out, load_records, request_seed, shard_of
+from tests.helpers import command_lines
 
 CACHE = REPO_ROOT / "runs" / "cache"
 FIELDS = {
@@ -85,14 +90,16 @@ def count_lines(path: Path) -> int:
     return sum(shard.read_bytes().count(b"\n") for shard in (path / "records").glob("*.jsonl"))
 
 
-def cli(args: list[str], env: dict | None = None) -> subprocess.Popen:
+def cli(args: list[str], env: dict | None = None, open_files: tuple[int, int] | None = None) -> subprocess.Popen:
+    """The stage as a process; ``open_files``: its (soft, hard) limit on open files, as ``ulimit -n`` sets it."""
     return subprocess.Popen(
         [sys.executable, "-m", "pipeline", "distill", *args],
         cwd=REPO_ROOT,
         env=env,
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE if open_files else subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=(lambda: resource.setrlimit(resource.RLIMIT_NOFILE, open_files)) if open_files else None,
     )
 
 
@@ -230,6 +237,35 @@ def test_duplicate_records_are_refused(tmp_path):
         load_records(records)
 
 
+def test_requests_in_flight_fit_the_open_file_limit_of_every_process(monkeypatch):
+    """One 8-GPU node on the paper recipe: a replica and an API server per GPU, 1,024 requests in flight per replica
+    from client processes of 256 each. A hard limit on open files too low for a process's connections lowers the
+    requests in flight, in one line naming the fix; an external endpoint's API servers are not ours to count."""
+    import torch
+
+    bench = fan_out(compose_config(["recipe=ci"]), 1024)  # this CPU: the stage's own event loop, as before
+    assert (bench.replicas, bench.api_servers, bench.client_processes, bench.limited) == (1, 1, 1, None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    cfg = compose_config(["recipe=paper-vicuna"])
+    assert fan_out(cfg, 65536) == FanOut(replicas=8, api_servers=8, client_processes=32, requests_in_flight=8192)
+    low = fan_out(cfg, 1024)  # 896 connections per process: 1,024 minus the files a process holds besides
+    assert (low.requests_in_flight, low.client_processes, low.connections_per_client) == (8 * 896, 28, 256)
+    assert "\n" not in low.limited and "7168 requests in flight, not 8192" in low.limited
+    assert "ulimit -Hn" in low.limited
+    one = fan_out(compose_config(["recipe=paper-vicuna", "distill.client_processes=1"]), 1024)
+    assert one.requests_in_flight == 896 and one.limited.endswith("or set distill.client_processes=auto")
+    url = "distill.server.url=http://node:8000/v1"
+    external = fan_out(compose_config(["recipe=paper-vicuna", url, "distill.server.data_parallel=8"]), 1024)
+    assert (external.api_servers, external.client_processes, external.requests_in_flight, external.limited) == (
+        0,
+        32,
+        8192,
+        None,
+    )
+    tensor_parallel = fan_out(compose_config(["recipe=paper-vicuna", "distill.server.tensor_parallel=2"]), 65536)
+    assert (tensor_parallel.replicas, tensor_parallel.api_servers) == (4, 8)
+
+
 def test_request_seeds_are_stable_and_distinct():
     keys = [(f"e{i}", t, s) for i in range(50) for t in (0.0, 0.3, 0.7, 1.0) for s in range(3)]
     seeds = [request_seed(0, key) for key in keys]
@@ -362,6 +398,7 @@ def test_two_replicas_kill_9_mid_run_then_the_rerun_asks_exactly_the_missing_rec
     assert not live_members(group)
     log = (path / "server" / "vllm.log").read_text()
     assert "'data_parallel_size': 2" in log and "EngineCore_DP1" in log  # two engine cores started
+    assert "ApiServer_1" in log  # and two API-server processes
 
     written = b"".join(shard.read_bytes() for shard in sorted((path / "records").glob("*.jsonl")))
     complete = [json.loads(line) for line in written.split(b"\n")[:-1]]  # every whole line parses: none torn
@@ -380,6 +417,8 @@ def test_two_replicas_kill_9_mid_run_then_the_rerun_asks_exactly_the_missing_rec
         "dtype": "bfloat16",
         "data_parallel": 2,
         "tensor_parallel": 1,
+        "api_servers": 2,
+        "client_processes": 1,
         "requests_in_flight": 8,
     }
     keys = [(r["id"], r["temperature"], r["sample"]) for r in all_records(path)]
@@ -483,3 +522,124 @@ def test_a_distill_whose_requests_the_server_rejects_is_not_complete(vllm_server
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "4 of 4 records missing after requests the server rejected (http_400 ×4)" in error
     assert "distill.max_failed_share=0.01" in error and "make distill" in error
+
+
+@contextlib.contextmanager
+def holding_endpoint(hold: int) -> Iterator[tuple[str, dict]]:
+    """An OpenAI-compatible endpoint answering each completion with one token, and holding each request until
+    ``hold`` are in flight (or 5 s passed), so a client's connections are all open at once; ``peak`` counts them."""
+    state, changed = {"in_flight": 0, "peak": 0}, threading.Condition()
+
+    class Completions(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as vLLM's server
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def answer(self, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            self.answer({"object": "list", "data": [{"id": "smollm2-135m", "object": "model"}]})
+
+        def do_POST(self) -> None:
+            prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
+            with changed:
+                state["in_flight"] += 1
+                state["peak"] = max(state["peak"], state["in_flight"])
+                changed.notify_all()
+                changed.wait_for(lambda: state["in_flight"] >= hold, timeout=5)
+            choice = {"text": "x", "finish_reason": "length", "prompt_token_ids": prompt, "token_ids": [1]}
+            self.answer({"choices": [choice], "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1}})
+            with changed:
+                state["in_flight"] -= 1
+
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+        request_queue_size = 1024  # 400 connections at once
+
+    server = Server(("127.0.0.1", 0), Completions)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1", state
+    finally:
+        server.shutdown()
+
+
+def test_a_distill_under_ulimit_n_256_with_more_requests_in_flight_completes(smollm_path, tmp_path):
+    """400 requests in flight, each holding a connection (an open file), from one process whose soft limit on open
+    files is 256 (as `ulimit -n 256`, or a cluster's 1,024 under 8 x 256): the stage lifts it to the hard limit.
+    Where the hard limit is 256 too, it keeps fewer requests in flight, says so in one line, and completes too."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    for name, open_files, in_flight in (("soft", (256, hard), 400), ("hard", (256, 256), 256 - 128)):
+        with holding_endpoint(hold=300) as (url, served):
+            args = overrides(
+                tmp_path / name,
+                f"distill.server.url={url}",
+                "data.max_train_prompts=100",
+                FOUR,
+                "distill.concurrency_per_replica=400",
+                "distill.client_processes=1",  # every connection in the stage's own process
+                "distill.max_retries=0",
+            )
+            process = cli(args, dict(os.environ, OPENAI_API_KEY="EMPTY"), open_files)
+            stdout, stderr = process.communicate(timeout=900)
+        assert process.returncode == 0, stderr
+        stats = json.loads((stage_path(args) / "stats.json").read_text())
+        assert stats["records"] == 400 and stats["failures"] == {}
+        assert stats["server"]["requests_in_flight"] == in_flight
+        assert served["peak"] == in_flight if in_flight < 300 else served["peak"] >= 300  # all open at once
+        limited = [line for line in stdout.splitlines() if "the hard limit on open files (256" in line]
+        assert len(limited) == (name == "hard"), stdout
+
+
+@pytest.mark.slow
+def test_client_processes_answer_as_the_stage_does_and_die_with_it(vllm_server, tmp_path):
+    """With client processes (distill.client_processes, auto above 256 requests in flight): the same greedy records
+    as the stage's own client; a kill -9 of the stage takes its client processes along, and the rerun asks exactly
+    the missing records."""
+    import psutil
+
+    env = dict(os.environ, OPENAI_API_KEY=vllm_server.endpoint.api_key)
+
+    def args(name: str, client_processes: int) -> list[str]:
+        return overrides(
+            tmp_path / name,
+            f"distill.server.url={vllm_server.endpoint.url}",
+            FOUR,
+            SHORT,
+            "data.max_train_prompts=12",
+            "distill.concurrency_per_replica=8",
+            f"distill.client_processes={client_processes}",
+        )
+
+    relayed, direct = args("relayed", 3), args("direct", 1)
+    path = stage_path(relayed)
+    process = cli(relayed, env)
+    wait_for_records(path, 4, process)
+    relays = [child for child in psutil.Process(process.pid).children() if "pipeline.serving.relay" in child.cmdline()]
+    assert len(relays) == 3
+    key = vllm_server.endpoint.api_key.encode()
+    assert not [line for line in command_lines() if key in line]
+    process.kill()
+    process.wait()
+    _, alive = psutil.wait_procs(relays, timeout=30)
+    assert not alive  # PR_SET_PDEATHSIG: none goes on asking into the stage directory
+    done = count_lines(path)
+    assert done < 48, "killed too late to interrupt anything"
+
+    for run in (relayed, direct):
+        assert cli(run, env).wait(timeout=600) == 0
+    stats = json.loads((path / "stats.json").read_text())
+    assert stats["server"]["client_processes"] == 3 and stats["requests"] == stats["new_records"] == 48 - done
+    records = [
+        {(r["id"], r["temperature"]): r["response"] for r in all_records(stage_path(run))} for run in (relayed, direct)
+    ]
+    assert len(all_records(path)) == 48 and set(records[0]) == set(records[1])
+    greedy = {key for key in records[0] if key[1] == 0.0}
+    assert {k: records[0][k] for k in greedy} == {k: records[1][k] for k in greedy}

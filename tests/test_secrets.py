@@ -132,7 +132,7 @@ def test_no_key_in_any_file_log_or_command_line_and_run_directories_are_private(
 
     # while the session's vLLM server runs: no key on any command line
     lines = command_lines()
-    assert any(b"vllm.entrypoints.openai.api_server" in line for line in lines)
+    assert any(b"pipeline.serving.vllm_serve" in line for line in lines)
     assert not {name for name, value in keys.items() for line in lines if value.encode() in line}
 
     written = [path for path in tmp_path.rglob("*") if path.is_file() and not path.is_symlink()]

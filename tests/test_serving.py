@@ -11,8 +11,10 @@ import pytest
 
 from pipeline.config import REPO_ROOT, compose_config
 from pipeline.models.provision import ModelNotFoundError
-from pipeline.serving.client import TargetClient, is_transient
-from pipeline.serving.server import ServingError, VLLMServer, data_parallel_size, served_dtype
+from pipeline.serving.client import TargetClient, failure_cause, is_transient
+from pipeline.serving.relay import ClientProcesses
+from pipeline.serving.server import ServingError, VLLMServer, data_parallel_size, served_dtype, target_server
+from pipeline.stages.distill import fan_out
 from tests.helpers import command_lines
 
 CACHE = REPO_ROOT / "runs" / "cache"
@@ -77,8 +79,27 @@ def test_one_replica_per_visible_gpu_and_the_eval_dtype_by_default(monkeypatch):
     )
 
 
+def test_the_server_of_one_8_gpu_node_has_an_api_server_per_gpu(monkeypatch, tmp_path):
+    """The paper recipe on an 8-GPU node: `vllm serve` (the launcher runs vLLM's own serve command, which the CPU
+    build's `vllm` cannot) with 8 data-parallel replicas behind 8 API-server processes, as vLLM 0.32's own parser
+    reads the command line; one API process would feed all 8 engines otherwise."""
+    import torch
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    cfg = compose_config(["recipe=paper-vicuna"])
+    fan = fan_out(cfg, 65536)
+    server = target_server(cfg, "/models/vicuna-7b", tmp_path, replicas=fan.replicas, api_servers=fan.api_servers)
+    command = server.command(8000)
+    assert command[1:3] == ["-m", "pipeline.serving.vllm_serve"]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(command[3:])
+    assert (args.data_parallel_size, args.api_server_count, args.tensor_parallel_size) == (8, 8, 1)
+    assert (args.model, args.port, args.dtype, args.enforce_eager) == ("/models/vicuna-7b", 8000, "bfloat16", False)
+
+
 def test_transient_causes_are_those_a_rerun_can_fix():
-    assert all(map(is_transient, ["connection", "timeout", "http_500", "http_503", "http_429"]))
+    assert all(map(is_transient, ["connection", "timeout", "http_500", "http_503", "http_429", "client_process"]))
     assert not any(map(is_transient, ["http_400", "http_401", "http_404", "ValueError"]))
 
 
@@ -197,7 +218,7 @@ def test_the_key_is_in_no_command_line_and_the_server_requires_it(vllm_server):
 
     key = vllm_server.endpoint.api_key.encode()
     lines = command_lines()
-    assert any(b"vllm.entrypoints.openai.api_server" in line for line in lines)
+    assert any(b"pipeline.serving.vllm_serve" in line for line in lines)
     assert not [line for line in lines if key in line]
     models = f"{vllm_server.endpoint.url}/models"
     with pytest.raises(urllib.error.HTTPError) as refused:
@@ -245,3 +266,51 @@ def test_a_squatter_on_the_port_is_never_taken_for_our_server_nor_sent_the_key(s
     finally:
         squatter.shutdown()
     assert not [auth for _, auth in seen if auth and server.api_key in auth]
+
+
+@pytest.mark.slow
+def test_client_processes_answer_as_the_client_does_and_a_dead_one_fails_its_requests(vllm_server, smollm_path):
+    """ClientProcesses (more requests in flight than one process serves well) answers as TargetClient, with the
+    API key in no command line; a client process that dies fails the requests in it, and those sent to it after,
+    with a cause a rerun retries."""
+    from pipeline.models.provision import load_tokenizer
+    from pipeline.prompts import build_prompt, prompt_ids
+
+    cfg = compose_config(["recipe=ci"])
+    tokenizer = load_tokenizer(smollm_path)
+    ids = prompt_ids(build_prompt(cfg.target, cfg.lang, "Guten Morgen!", tokenizer), tokenizer)
+    settings = dict(
+        stop=["\n"],
+        stop_token_ids=[],
+        max_tokens=8,
+        top_p=1.0,
+        top_k=0,
+        top_logprobs=2,
+        timeout_s=60,
+        max_retries=0,
+        model="smollm2-135m",
+        connections=2,
+    )
+
+    async def ask():
+        direct = TargetClient(vllm_server.endpoint, **settings)
+        relayed = ClientProcesses(2, vllm_server.endpoint, settings)
+        try:
+            assert await relayed.resolve_model() == "smollm2-135m"
+            expected = await direct.complete(ids, 0.0, seed=1)
+            answers = await asyncio.gather(*(relayed.complete(ids, 0.0, seed=1) for _ in range(4)))
+            key = vllm_server.endpoint.api_key.encode()
+            assert not [line for line in command_lines() if key in line]
+            dying, request = relayed.processes[0], {"prompt_ids": ids, "temperature": 0.0, "seed": 1}
+            in_flight = asyncio.create_task(dying.ask(request))
+            await asyncio.sleep(0)  # sent
+            dying.process.kill()
+            failures = await asyncio.gather(in_flight, dying.ask(request), return_exceptions=True)
+            return expected, answers, failures
+        finally:
+            await direct.close()
+            await relayed.close()
+
+    expected, answers, failures = asyncio.run(ask())
+    assert answers == [expected] * 4 and expected.top_logprobs
+    assert [failure_cause(exc) for exc in failures] == ["client_process"] * 2

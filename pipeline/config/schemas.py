@@ -371,6 +371,9 @@ class DistillConfig:
     top_logprobs: int = field(default=0, metadata=AT_LEAST_0)  # store the top-N log-probabilities per token (0: none)
     # requests in flight per server replica (x distill.server.data_parallel in all)
     concurrency_per_replica: int = field(default=32, metadata=AT_LEAST_1)
+    # processes sending the requests; auto: one per 256 requests in flight (one process's CPU time per request grows
+    # with its connections), 1 (the stage itself) up to 256
+    client_processes: Any = "auto"
     request_timeout_s: float = field(default=300.0, metadata=ABOVE_0)  # one request's time limit
     max_retries: int = field(default=5, metadata=AT_LEAST_0)  # retries of a failed request (transient errors)
     # share of the records a stage may lack after requests the server rejected (HTTP 400...) and still be
@@ -386,6 +389,8 @@ class DistillConfig:
     @staticmethod
     def check(section: DictConfig, key: str) -> list[str]:
         problems = []
+        if not _positive_or_auto(section.client_processes):
+            problems.append(f"{key}.client_processes must be >= 1 or auto, not {section.client_processes}")
         if section.shard >= section.num_shards:
             problems.append(
                 f"{key}.shard={section.shard} of {key}.num_shards={section.num_shards}: "

@@ -1,7 +1,8 @@
-"""vLLM's OpenAI-compatible server as a child process of the stage.
+"""vLLM's OpenAI-compatible server as a child process of the stage (``vllm serve``, through
+``pipeline.serving.vllm_serve``).
 
 The server binds 127.0.0.1 on a free port behind a random API key and logs into the stage directory.
-It runs in its own process group (vLLM spawns an engine-core and a worker process), which is
+It runs in its own process group (vLLM spawns API-server, engine-core and worker processes), which is
 terminated on every way out: normal exit, exception, SIGINT and SIGTERM (Slurm preemption). If the
 stage itself is killed with SIGKILL, the group's leader (``reaper``) kills the group.
 """
@@ -23,8 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig
-
-from pipeline.models.provision import ModelNotFoundError
 
 LOG_FILE = "vllm.log"
 INFO_FILE = "server.json"  # pid, process group and port of the running server (no secrets)
@@ -50,6 +49,8 @@ def free_port() -> int:
 
 def check_model_folder(model: str) -> None:
     """Fail before launching vLLM (a minute of start-up) when a local model folder cannot be loaded."""
+    from pipeline.models.provision import ModelNotFoundError  # here: it imports torch, which client processes need not
+
     path = Path(model)
     looks_local = path.is_absolute() or model.startswith(".") or path.exists()
     if looks_local and not (path / "config.json").is_file():
@@ -72,11 +73,11 @@ def served_dtype(cfg: DictConfig) -> str:
 
 
 def target_server(
-    cfg: DictConfig, folder: str, log_dir: Path, extra_args: list[str] = (), replicas: int = 1
+    cfg: DictConfig, folder: str, log_dir: Path, extra_args: list[str] = (), replicas: int = 1, api_servers: int = 1
 ) -> VLLMServer:
     """The target behind vLLM with ``distill.server``'s launch settings (distillation and the vLLM eval), as
-    ``replicas`` data-parallel replicas: distillation's ``data_parallel_size``; the vLLM eval times one request
-    at a time, which one replica serves."""
+    ``replicas`` data-parallel replicas behind ``api_servers`` API-server processes: distillation's fan-out; the
+    vLLM eval times one request at a time, which one replica and one API server serve."""
     launch = cfg.distill.server
     return VLLMServer(
         folder,
@@ -89,6 +90,7 @@ def target_server(
         cpu_kvcache_gb=launch.cpu_kvcache_gb,
         tensor_parallel=launch.tensor_parallel,
         data_parallel=replicas,
+        api_servers=api_servers,
         enforce_eager=launch.enforce_eager,
         extra_args=[*launch.extra_args, *extra_args],
         startup_timeout_s=launch.startup_timeout_s,
@@ -115,6 +117,7 @@ class VLLMServer:
         cpu_kvcache_gb: int = 2,
         tensor_parallel: int = 1,
         data_parallel: int = 1,
+        api_servers: int = 1,
         enforce_eager: bool = True,
         extra_args: list[str] = (),
         startup_timeout_s: float = 600.0,
@@ -128,6 +131,7 @@ class VLLMServer:
             startup_timeout_s,
         )
         self.tensor_parallel, self.data_parallel, self.enforce_eager = tensor_parallel, data_parallel, enforce_eager
+        self.api_servers = api_servers
         self.api_key = secrets.token_hex(24)  # hex: a key starting with "-" would read as an option to vLLM
         self.process: subprocess.Popen | None = None
         self.port: int | None = None
@@ -173,16 +177,12 @@ class VLLMServer:
             port = free_port()
         raise ServingError(f"vLLM found no free port in {PORT_ATTEMPTS} attempts; see {self.log_path}")
 
-    def _launch(self, port: int) -> None:
-        self.port = port
+    def command(self, port: int) -> list[str]:
+        """vLLM's command line (``vllm serve``'s arguments; the reaper runs it)."""
         command = [
             sys.executable,
             "-m",
-            "pipeline.reaper",
-            str(os.getpid()),
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
+            "pipeline.serving.vllm_serve",
             "--model",
             self.model,
             "--served-model-name",
@@ -204,8 +204,15 @@ class VLLMServer:
             command += ["--tensor-parallel-size", str(self.tensor_parallel)]
         if self.data_parallel > 1:  # vLLM's own data parallelism: one endpoint, requests balanced over the replicas
             command += ["--data-parallel-size", str(self.data_parallel)]
+        # processes sharing the port, each talking to every replica (stated: vLLM's default is one per replica)
+        command += ["--api-server-count", str(self.api_servers)]
         if self.enforce_eager:  # on CPU: healthy in under a minute instead of ~2, with the same throughput
             command.append("--enforce-eager")
+        return command
+
+    def _launch(self, port: int) -> None:
+        self.port = port
+        command = [sys.executable, "-m", "pipeline.reaper", str(os.getpid()), *self.command(port)]
         env = dict(
             os.environ,
             VLLM_CPU_KVCACHE_SPACE=str(self.cpu_kvcache_gb),

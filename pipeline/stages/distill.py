@@ -16,8 +16,11 @@ Output, in the stage directory:
                                replicas, requests in flight)
     server/vllm.log            the server's log (when started here)
 
-The server runs ``distill.server.data_parallel`` replicas (auto: one per visible GPU) behind one endpoint, and
-the stage keeps ``distill.concurrency_per_replica`` requests in flight for each.
+The server runs ``distill.server.data_parallel`` replicas (auto: one per visible GPU) behind one endpoint, with an
+API-server process per GPU, and the stage keeps ``distill.concurrency_per_replica`` requests in flight for each
+replica, through client processes of at most ``REQUESTS_PER_PROCESS`` requests each (``fan_out``). A request in
+flight holds a connection, an open file in a client process and in an API server: the stage lifts its soft limit
+on open files to the hard one, and keeps fewer requests in flight, saying so, where the hard limit is too low.
 
 Resume is keyed by (id, temperature, sample): a rerun reads every attempt's file, cuts a line torn by a
 ``kill -9`` mid-write, and requests exactly the missing keys (records lost with the kill are among them).
@@ -31,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import os
 import time
 from collections import Counter
@@ -48,7 +52,15 @@ from pipeline.jsonl import BackgroundJsonl, read_jsonl
 from pipeline.models.provision import load_tokenizer, model_fingerprint, model_path
 from pipeline.prompts import build_prompt, prompt_ids, stop_strings, stop_token_ids
 from pipeline.rundir import StageConflictError, StageDir, make_command, shard_args
-from pipeline.serving.client import TargetClient, failure_cause, is_transient
+from pipeline.serving.client import (
+    FD_RESERVE,
+    TargetClient,
+    connections_per_process,
+    failure_cause,
+    is_transient,
+    raise_open_file_limit,
+)
+from pipeline.serving.relay import ClientProcesses
 from pipeline.serving.server import (
     Endpoint,
     ServingError,
@@ -129,7 +141,7 @@ class RunStats:
 
 async def distill(
     jobs: list[Job],
-    client: TargetClient,
+    client: TargetClient | ClientProcesses,
     out: BackgroundJsonl,
     failures: BackgroundJsonl,
     cfg: DictConfig,
@@ -209,16 +221,18 @@ async def distill(
                 # no explicit step: the back-translation pass logs first, and wandb steps must only grow
                 tracker.log({f"{metric}/records": progress.n, f"{metric}/tokens_per_s": tokens_per_s})
 
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    await client.close()
+    try:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    finally:
+        await client.close()
     return stats
 
 
-def serve(cfg: DictConfig, folder: str, stage_path: Path, replicas: int):
+def serve(cfg: DictConfig, folder: str, stage_path: Path, fan: FanOut):
     """The local vLLM server as a context manager, or nothing when an external endpoint is configured."""
     if cfg.distill.server.url:
         return nullcontext(None)
-    return target_server(cfg, folder, stage_path / SERVER_DIR, replicas=replicas)
+    return target_server(cfg, folder, stage_path / SERVER_DIR, replicas=fan.replicas, api_servers=fan.api_servers)
 
 
 def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
@@ -345,12 +359,45 @@ def back_translation_plan(cfg: DictConfig, path: Path, target: Target) -> Plan:
     return Plan(segments, keys, jobs, Counter())
 
 
-def fan_out(cfg: DictConfig) -> tuple[int, int]:
-    """(server replicas, requests in flight)."""
+@dataclass(frozen=True)
+class FanOut:
+    """How the requests reach the target, and how many are in flight."""
+
+    replicas: int  # vLLM's engines (--data-parallel-size)
+    api_servers: int  # vLLM's API-server processes (--api-server-count); 0: an external endpoint's, not ours
+    client_processes: int  # 1: the stage's own event loop, else pipeline.serving.relay's processes
+    requests_in_flight: int
+    limited: str | None = None  # the line saying that the open-file limit lowered requests_in_flight
+
+    @property
+    def connections_per_client(self) -> int:
+        return math.ceil(self.requests_in_flight / self.client_processes)
+
+
+def fan_out(cfg: DictConfig, open_files: int) -> FanOut:
+    """The replicas, API servers (one per GPU served: vLLM's own default under data parallelism is one per
+    replica, and one API process tops out below what a replica answers), client processes and requests in flight,
+    so that no process holds more connections than the hard limit on open files (``open_files``) allows."""
     launch = cfg.distill.server
     # an external endpoint's replicas are the user's to state (data_parallel=N): auto counts this machine's GPUs
     replicas = 1 if launch.url and launch.data_parallel == "auto" else data_parallel_size(launch)
-    return replicas, cfg.distill.concurrency_per_replica * replicas
+    api_servers = 0 if launch.url else replicas * launch.tensor_parallel
+    wanted = cfg.distill.concurrency_per_replica * replicas
+    per_process = max(open_files - FD_RESERVE, 1)
+    holders = [count for count in (api_servers, cfg.distill.client_processes) if count not in (0, "auto")]
+    in_flight = min([wanted] + [count * per_process for count in holders])
+    clients = cfg.distill.client_processes
+    if clients == "auto":
+        clients = math.ceil(in_flight / connections_per_process(open_files))
+    limited = None
+    if in_flight < wanted:
+        limited = (
+            f"distill: {in_flight} requests in flight, not {wanted}: the hard limit on open files ({open_files}, "
+            f"ulimit -Hn) lets a process hold {per_process} connections; raise it for the job (limits.conf on the "
+            "nodes) or lower distill.concurrency_per_replica"
+            + ("" if cfg.distill.client_processes == "auto" else ", or set distill.client_processes=auto")
+        )
+    return FanOut(replicas, api_servers, clients, in_flight, limited)
 
 
 @dataclass
@@ -358,6 +405,7 @@ class Answered:
     """What one run asked: the plan as it ended, each pass's stats, and the time it took."""
 
     plan: Plan
+    fan: FanOut
     stats: RunStats = field(default_factory=RunStats)
     reverse_stats: RunStats = field(default_factory=RunStats)
     elapsed: float = 0.0
@@ -371,19 +419,19 @@ def answer(
     plan: Plan,
     reverse: Plan,
     tracker: Tracker,
+    fan: FanOut,
 ) -> Answered:
     """Serve the target (or reach the external endpoint) and ask every missing record: the back-translations
     first, then the training prompts, which the usable back-translations have joined."""
-    answered = Answered(plan)
+    answered = Answered(plan, fan)
     if not (plan.jobs or reverse.jobs):
         return answered
     records_dir, reverse_dir = path / RECORDS_DIR, path / BACK_TRANSLATIONS_DIR
-    replicas, concurrency = fan_out(cfg)
     out = BackgroundJsonl(records_dir / f"attempt-{len(list(records_dir.glob('*.jsonl'))):03d}.jsonl")
     reverse_out = BackgroundJsonl(reverse_dir / f"attempt-{len(list(reverse_dir.glob('*.jsonl'))):03d}.jsonl")
     failures = BackgroundJsonl(path / FAILURES_FILE)
     try:
-        with serve(cfg, target.folder, path, replicas) as server:
+        with serve(cfg, target.folder, path, fan) as server:
             endpoint = (
                 server.endpoint
                 if server
@@ -393,22 +441,31 @@ def answer(
                     api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
                 )
             )
-            print(f"distill: {concurrency} requests in flight over {replicas} server replica(s)", flush=True)
+            print(
+                f"distill: {fan.requests_in_flight} requests in flight over {fan.replicas} server replica(s)"
+                + (f" and {fan.api_servers} API server(s)" if fan.api_servers else "")
+                + (f", from {fan.client_processes} client processes" if fan.client_processes > 1 else ""),
+                flush=True,
+            )
+            settings = dict(
+                stop=stop_strings(cfg.target),
+                stop_token_ids=stop_token_ids(cfg.target, target.tokenizer),
+                max_tokens=cfg.distill.max_tokens,
+                top_p=cfg.eval.top_p,
+                top_k=cfg.eval.top_k,
+                top_logprobs=cfg.distill.top_logprobs,
+                timeout_s=cfg.distill.request_timeout_s,
+                max_retries=cfg.distill.max_retries,
+                model=cfg.target.name,
+                connections=fan.connections_per_client,
+            )
 
             def run_jobs(jobs: list[Job], out: BackgroundJsonl, total: int, desc: str, metric: str) -> RunStats:
-                # a client per run: its connections belong to the event loop asyncio.run makes
-                client = TargetClient(
-                    endpoint,
-                    stop=stop_strings(cfg.target),
-                    stop_token_ids=stop_token_ids(cfg.target, target.tokenizer),
-                    max_tokens=cfg.distill.max_tokens,
-                    top_p=cfg.eval.top_p,
-                    top_k=cfg.eval.top_k,
-                    top_logprobs=cfg.distill.top_logprobs,
-                    timeout_s=cfg.distill.request_timeout_s,
-                    max_retries=cfg.distill.max_retries,
-                    model=cfg.target.name,
-                    connections=concurrency,
+                # a client per run: its connections (or client processes) belong to the event loop asyncio.run makes
+                client = (
+                    TargetClient(endpoint, **settings)
+                    if fan.client_processes == 1
+                    else ClientProcesses(fan.client_processes, endpoint, settings)
                 )
                 with tqdm(total=total, initial=total - len(jobs), desc=desc, unit="rec") as progress:
                     return asyncio.run(
@@ -420,7 +477,7 @@ def answer(
                             cfg,
                             target.revision,
                             server,
-                            concurrency,
+                            fan.requests_in_flight,
                             progress,
                             tracker,
                             metric,
@@ -452,8 +509,7 @@ def summarize(cfg: DictConfig, path: Path, train: list[Example], reverse: Plan, 
     done = load_records(path / RECORDS_DIR)
     stats, reverse_stats = answered.stats, answered.reverse_stats
     new_tokens = stats.completion_tokens + reverse_stats.completion_tokens
-    launch = cfg.distill.server
-    replicas, concurrency = fan_out(cfg)
+    launch, fan = cfg.distill.server, answered.fan
     summary = {
         "records": len(done),
         "expected_records": len(answered.plan.keys),
@@ -468,9 +524,11 @@ def summarize(cfg: DictConfig, path: Path, train: list[Example], reverse: Plan, 
         "server": {
             "url": launch.url,
             "dtype": None if launch.url else served_dtype(cfg),
-            "data_parallel": replicas,
+            "data_parallel": fan.replicas,
             "tensor_parallel": launch.tensor_parallel,
-            "requests_in_flight": concurrency,
+            "api_servers": fan.api_servers,
+            "client_processes": fan.client_processes,
+            "requests_in_flight": fan.requests_in_flight,
         },
     }
     if cfg.distill.num_shards > 1:
@@ -488,6 +546,9 @@ def summarize(cfg: DictConfig, path: Path, train: list[Example], reverse: Plan, 
 
 
 def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
+    fan = fan_out(cfg, raise_open_file_limit())  # first: the server and client processes inherit the limit
+    if fan.limited:
+        print(fan.limited, flush=True)
     target = load_target(cfg)
     train, heldout = shard_prompts(cfg)
     records_dir = path / RECORDS_DIR
@@ -511,7 +572,7 @@ def _run_locked(cfg: DictConfig, path: Path, tracker: Tracker) -> dict:
         f"{len(plan.keys) - len(plan.jobs)} records already done"
     )
 
-    answered = answer(cfg, path, target, (train, heldout), plan, reverse, tracker)
+    answered = answer(cfg, path, target, (train, heldout), plan, reverse, tracker, fan)
 
     summary = summarize(cfg, path, train, reverse, answered)
     write_atomic(path / STATS_FILE, json.dumps(summary, indent=2) + "\n")
