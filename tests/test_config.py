@@ -255,9 +255,11 @@ def test_every_number_of_the_schemas_declares_its_range():
 
     visit(Config, "")
     assert sorted(unbounded) == [
-        "distill.server.data_parallel",  # the checks' _positive_or_auto
+        "distill.client_processes",  # the checks' _positive_or_auto
+        "distill.server.data_parallel",
         "eval.processes",
         "scaling.fractions",  # ScalingConfig.check: shares in (0, 1], not empty
+        "serve_bench.concurrency",  # ServeBenchConfig.check: each >= 1, not empty
         "train.finetune.num_processes",
         "train.finetune.save_every",
         "train.pretrain.num_processes",

