@@ -6,17 +6,21 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from pipeline.config import REPO_ROOT, compose_config
 from pipeline.models.provision import model_path
 
 MODELS_DIR = REPO_ROOT / "models"
 
-# Intel MKL's multithreaded float32 GEMM may round the last bit differently with where its operands lie in memory.
-# A resumed training process lays its tensors out unlike the uninterrupted one, so the tests that compare the two
-# bit for bit need MKL's reproducible mode, in every process they start (inherited; read before MKL's first call).
-# COMPATIBLE: AUTO still failed that comparison after test_training.py on the 2-core Xeon (docs/design.md, Tests).
-os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
+# Intel MKL's float32 GEMM may round the last bit differently with where its operands lie in memory. A resumed
+# training process lays its tensors out unlike the uninterrupted one, so the tests that compare the two bit for bit
+# need MKL's reproducible mode in every process they start (inherited; docs/design.md, Tests). COMPATIBLE: AUTO
+# still failed that comparison after test_training.py on the 2-core Xeon. pytest's own process keeps MKL's fast
+# code paths (COMPATIBLE's runs float32 GEMM 2-3x slower): MKL reads MKL_CBWR at its first call, made here first.
+if "MKL_CBWR" not in os.environ:
+    torch.mm(torch.ones(8, 8), torch.ones(8, 8))
+    os.environ["MKL_CBWR"] = "COMPATIBLE"
 
 
 def pytest_collection_modifyitems(items):
