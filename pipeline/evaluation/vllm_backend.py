@@ -106,7 +106,9 @@ def check(cfg: DictConfig, directory, target_path: str, drafter_path: str) -> di
         if (problem := eagle3_problem(target_path)) is not None:
             raise ConfigError(f"eval.engine=vllm cannot serve the EAGLE-3 head {drafter_path}: {problem}")
         return eagle3_spec(drafter_path, k)
-    if AutoConfig.from_pretrained(drafter_path).model_type == HEAD_MODEL_TYPE:
+    # config.json read as it is: an export's config is remote code, which AutoConfig would ask about interactively
+    config = Path(drafter_path) / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("model_type") == HEAD_MODEL_TYPE:
         raise ConfigError(
             f"eval.engine=vllm serves an EAGLE-3 head in vLLM's format, which {drafter_path} is not: run "
             f"`{make_command(cfg, 'export')}` and point eval.drafter_path at its folder (<run>/export/drafter)"
