@@ -467,4 +467,4 @@ def test_eval_chooses_target_dtype_and_k_from_measured_costs_and_says_when_no_k_
     assert f"**T=0.0, {choice['no_k_pays']}.** fastest of K=2, 4: K=" in report
     assert "the target alone (K = 0) is faster here" in report
     assert "Drafter in bfloat16, as served beside the target." in report
-    assert "K chosen from the measured costs" in report
+    assert "K chosen before decoding from the measured costs and the τ of untimed decodes of 3 prompts" in report
