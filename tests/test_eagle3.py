@@ -21,15 +21,6 @@ from tests.helpers import NO_STOP, PROMPT, VOCAB, full_greedy, tiny_gemma3, tiny
 LAYERS = [1, 2, 3]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Models this tiny decode several times faster on one thread than on two busy cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def llama_target():
     return tiny_llama(0, VOCAB, layers=4)
 
