@@ -444,6 +444,7 @@ def test_eval_chooses_target_dtype_and_k_from_measured_costs_and_says_when_no_k_
         f"eval.drafter_path={ci_drafter}",
         "eval.warmup=1",
         "eval.dtype_candidates=[bfloat16]",
+        "eval.temperatures=[0]",  # the choices under test are T=0's
     ]
     assert cli.main(args) == 0
     printed = capsys.readouterr().out

@@ -125,10 +125,12 @@ def chain(cluster, tmp_path_factory):
     overrides = [
         "logger=none",
         "data.max_train_prompts=12",
+        "distill.temperatures=[0.0]",
         "train.pretrain.save_every=2",
         "eval.num_prompts=2",
         "eval.methods=[target,speculative]",
         "eval.k_sweep=[4]",
+        "eval.temperatures=[0.0]",
     ]
     ids = cluster.submit(
         "--recipe", "ci", "--langs", "de-en", "--log-dir", str(log_dir), f"paths.runs_dir={runs_dir}", *overrides
