@@ -36,19 +36,24 @@ def pytest_collection_modifyitems(items):
 REAL_MODELS = {"smollm_path", "gemma_path"}  # fixtures of the real (135M, 270M) models
 
 
-@pytest.fixture(autouse=True)
-def torch_threads(request):
-    """One thread in pytest's process for the tests of tiny models, which decode and train several times faster on
-    one thread than on two cores (OpenMP's hand-offs per op outweigh their arithmetic: 13x on a loaded 2-core EPYC);
-    the slow and paper tests and those of the real models keep every core. Processes a test starts are unaffected."""
-    marked = request.node.get_closest_marker("slow") or request.node.get_closest_marker("paper")
-    if marked or REAL_MODELS & set(request.fixturenames):
-        yield
-        return
+@pytest.fixture
+def one_thread():
+    """One torch thread in pytest's process: tiny models decode and train several times faster on one thread than on
+    two cores (OpenMP's hand-offs per op outweigh their arithmetic: 13x on a loaded 2-core EPYC). Processes a test
+    starts are unaffected."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def torch_threads(request):
+    """``one_thread`` for every test but the slow and paper ones and those of the real models, which keep every core
+    (a slow test of tiny models asks for ``one_thread`` itself)."""
+    marked = request.node.get_closest_marker("slow") or request.node.get_closest_marker("paper")
+    if not marked and not REAL_MODELS & set(request.fixturenames):
+        request.getfixturevalue("one_thread")
 
 
 @pytest.fixture

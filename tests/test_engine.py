@@ -181,6 +181,7 @@ SAMPLES = 12_000
 
 
 @pytest.mark.slow  # SAMPLES generations each
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("variant", ["fixed_k", "confidence_cut", "lookup_then_model", "top_k_top_p"])
 def test_reduced_vocab_drafter_sampling_is_target_distribution(variant):
     """First two emitted tokens at T=1 over many seeds, against the target's exact two-token distribution:
@@ -207,15 +208,10 @@ def test_reduced_vocab_drafter_sampling_is_target_distribution(variant):
     target = CachedModel(target_model)
     g = torch.Generator().manual_seed(0)
     samples, first_round_drafts = [], set()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # models this tiny decode ~5x faster on one thread than on two busy cores
-    try:
-        for _ in range(SAMPLES):  # three tokens: the first round drafts two
-            out = generate(target, prompt, 3, NO_STOP, sampling, drafter=drafter, k=2, generator=g)
-            samples.append(out.tokens[0] * vocab + out.tokens[1])
-            first_round_drafts.add(out.drafted[0])
-    finally:
-        torch.set_num_threads(threads)
+    for _ in range(SAMPLES):  # three tokens: the first round drafts two
+        out = generate(target, prompt, 3, NO_STOP, sampling, drafter=drafter, k=2, generator=g)
+        samples.append(out.tokens[0] * vocab + out.tokens[1])
+        first_round_drafts.add(out.drafted[0])
     if variant == "confidence_cut":  # the second draft is cut after some first drafts and not after others
         assert first_round_drafts == {1, 2}
     # The sampler tests' chi-square at p = 1e-4 over the 64 cells (smallest expected count ~ 0.012 x SAMPLES);

@@ -132,6 +132,7 @@ SAMPLES = 12_000
 
 
 @pytest.mark.slow  # SAMPLES generations each
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("vocab", ["full", "reduced"])
 def test_sampling_with_a_parallel_drafter_is_the_target_distribution(vocab):
     """First two emitted tokens at T=1 over many seeds against the target's exact two-token distribution, the
@@ -152,14 +153,9 @@ def test_sampling_with_a_parallel_drafter_is_the_target_distribution(vocab):
         )
     expected = (first[:, None] * second).flatten().double()
     target, g, samples = CachedModel(target_model), torch.Generator().manual_seed(0), []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for _ in range(SAMPLES):
-            out = generate(target, prompt, 3, NO_STOP, sampling, drafter=drafter, k=2, generator=g)
-            samples.append(out.tokens[0] * size + out.tokens[1])
-    finally:
-        torch.set_num_threads(threads)
+    for _ in range(SAMPLES):
+        out = generate(target, prompt, 3, NO_STOP, sampling, drafter=drafter, k=2, generator=g)
+        samples.append(out.tokens[0] * size + out.tokens[1])
     assert_follows(torch.tensor(samples), expected, max_tv=None)
 
 
