@@ -212,7 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from pipeline.runner import run_stage  # torch and the stage's libraries: not for --help
 
-            run_stage(args.command, cfg)
+            if reason := REGISTRY[args.command].unread(cfg):
+                print(f"{args.command}: nothing to do: {reason}")
+            else:
+                run_stage(args.command, cfg)
         sys.stdout.flush()
     except BrokenPipeError:  # `specdraft config | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

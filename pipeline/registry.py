@@ -19,6 +19,13 @@ def finetune_inputs(cfg: DictConfig) -> list[str]:
     return ["distill", "pretrain"] if cfg.train.finetune.mode == FinetuneMode.pretrain_finetune else ["distill"]
 
 
+def pretrain_unread(cfg: DictConfig) -> str | None:
+    if "pretrain" in finetune_inputs(cfg):
+        return None
+    mode = cfg.train.finetune.mode.value
+    return f"train.finetune.mode={mode}: finetune starts its drafter afresh and reads no pretrain"
+
+
 def eval_inputs(cfg: DictConfig) -> list[str]:
     return [] if cfg.eval.drafter_path else ["finetune"]
 
@@ -37,6 +44,9 @@ class Stage:
     inputs: Callable[[DictConfig], list[str]]  # the stages whose output it reads, for this config
     in_pipeline: bool = True  # run by `make all` and Slurm's chain; the others on demand
     report: str | None = None  # a file in its directory the runner prints when it skips the complete stage
+    # Why no stage of this config reads its output (None: one does): its command then does nothing, so `make all`
+    # of an F-only recipe spends no GPU hour on a pretrain nothing uses (Slurm's chain does not submit it).
+    unread: Callable[[DictConfig], str | None] = lambda cfg: None
 
     @property
     def module(self) -> str:
@@ -94,6 +104,7 @@ REGISTRY = {
             # drafter.
             ("target", "drafter", "data.pretrain_corpora", "data.pretrain_max_documents", "train.pretrain", "seed"),
             lambda cfg: [],
+            unread=pretrain_unread,
         ),
         Stage(
             "finetune",

@@ -81,8 +81,8 @@ def smollm_path() -> str:
 
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory, smollm_path):
-    """ONE real vLLM CPU server on SmolLM2 (the ci target) for the whole session: it takes 30-70 s to start
-    and ~5 GB of memory. Use ``vllm_server.endpoint`` (url, api_key); tests must not stop it."""
+    """ONE real vLLM CPU server on SmolLM2 (the ci target, in the ci recipe's float32) for the whole session: it takes
+    30-70 s to start and ~5 GB of memory. Use ``vllm_server.endpoint`` (url, api_key); tests must not stop it."""
     from pipeline.serving.server import VLLMServer
 
     with VLLMServer(
@@ -90,6 +90,7 @@ def vllm_server(tmp_path_factory, smollm_path):
         "smollm2-135m",
         tmp_path_factory.mktemp("vllm"),
         REPO_ROOT / "runs" / "cache" / "vllm",
+        dtype="float32",
         max_model_len=2048,
     ) as server:
         yield server

@@ -53,6 +53,17 @@ def test_list_prints_each_kind_and_one_kind_a_name_per_line(tmp_path, capsys):
     assert capsys.readouterr().out.split() == bench.names() and "engine" in bench.names()
 
 
+def test_pretrain_of_an_f_only_config_does_nothing_in_one_line(tmp_path, capsys):
+    """`make all` runs every stage: an F-only finetune reads no pretrain, so none is trained (nor its data read)."""
+    argv = ["pretrain", "recipe=ci", "train.finetune.mode=finetune_only", f"paths.runs_dir={tmp_path}"]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out == (
+        "pretrain: nothing to do: train.finetune.mode=finetune_only: finetune starts its drafter afresh and reads no "
+        "pretrain\n"
+    )
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize(
     "argv,start",
     [

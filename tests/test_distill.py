@@ -414,7 +414,7 @@ def test_two_replicas_kill_9_mid_run_then_the_rerun_asks_exactly_the_missing_rec
     assert stats["requests"] == stats["new_records"] == asked == len(expected) - len(done)
     assert stats["server"] == {
         "url": None,
-        "dtype": "bfloat16",
+        "dtype": "float32",
         "data_parallel": 2,
         "tensor_parallel": 1,
         "api_servers": 2,
@@ -424,7 +424,7 @@ def test_two_replicas_kill_9_mid_run_then_the_rerun_asks_exactly_the_missing_rec
     keys = [(r["id"], r["temperature"], r["sample"]) for r in all_records(path)]
     assert len(keys) == len(set(keys)) and set(keys) == expected
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["status"] == "complete" and manifest["counts"]["served_dtype"] == "bfloat16"
+    assert manifest["status"] == "complete" and manifest["counts"]["served_dtype"] == "float32"
 
 
 @pytest.mark.slow

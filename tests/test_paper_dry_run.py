@@ -111,6 +111,7 @@ def test_after_make_prepare_every_stage_runs_with_the_hub_unreachable_and_withou
         f"data.pretrain_corpora.0.hub_dataset={data['c4']}",
         "data.pretrain_max_documents=64",
         "logger.mode=offline",
+        *standins.SMALL_BATCHES,
     ]  # the full recipe's C4 share at stand-in size
     args = ("RECIPE=paper-llama2", "LANG=zh-en", f"ARGS={' '.join(overrides)}")
     compute_node = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
@@ -146,9 +147,10 @@ def test_vicuna_p_f_and_f_only_land_apart_and_the_report_shows_both(stand_ins, t
     runs_dir = tmp_path / "runs"
     evals = []
     for recipe in ("paper-vicuna", "paper-vicuna-f-only"):
-        cfg, _ = dry_run(stand_ins, recipe, runs_dir)
+        cfg, log = dry_run(stand_ins, recipe, runs_dir)
         evals.append(stage_dir(cfg, "eval").path)
         assert_one_tokenization(cfg)
+    assert "pretrain: nothing to do: train.finetune.mode=finetune_only" in log  # F-only: no pretrain to pay for
     assert evals[0] != evals[1] and all((path / "COMPLETE").exists() for path in evals)
     report = subprocess.run(
         [sys.executable, "-m", "pipeline", "report", f"paths.runs_dir={runs_dir}"],

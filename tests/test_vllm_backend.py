@@ -135,7 +135,7 @@ def test_greedy_divergence_fails_with_a_clear_margin_and_is_a_tie_without(
     smollm_path, runs_dir, monkeypatch, capsys, top2_gap
 ):
     """run() on canned server answers: the speculative server's second prompt differs from the target's at its
-    third token, where the served target (dtype auto: half precision) puts its top two tokens ``top2_gap`` apart."""
+    third token, where the served target (in half precision) puts its top two tokens ``top2_gap`` apart."""
 
     class Server:
         def __enter__(self):
@@ -174,9 +174,8 @@ def test_greedy_divergence_fails_with_a_clear_margin_and_is_a_tie_without(
     monkeypatch.setattr(vllm_backend, "request", request)
     monkeypatch.setattr(vllm_backend, "decode_all", decode_all)
     clear_margin = top2_gap > 0.5  # the default eval.tie_tolerance
-    assert cli.main(args(runs_dir, smollm_path, "eval.temperatures=[0]", "eval.num_prompts=2")) == (
-        2 if clear_margin else 0
-    )
+    argv = args(runs_dir, smollm_path, "eval.temperatures=[0]", "eval.num_prompts=2", "distill.server.dtype=bfloat16")
+    assert cli.main(argv) == (2 if clear_margin else 0)
     out = next(runs_dir.glob("**/eval-vllm"))
     metrics = json.loads((out / "metrics.json").read_text())
     assert len(asked) == 1 and asked[0][-2:] == [1, 2]  # the gap after the prompt and the tokens before the divergence
@@ -213,8 +212,8 @@ def test_greedy_divergence_fails_with_a_clear_margin_and_is_a_tie_without(
 def self_drafted(smollm_path, tmp_path_factory):
     """The stage once, with the target itself as the draft model: (exit code, stage folder).
 
-    In float32: with dtype=auto (bfloat16 on CPU) the drafter's one-token forwards and the K+1-token
-    verification round differently, and a near-tie (top-2 logit gap 0.09) rejected 1 of 60 drafts."""
+    In the ci recipe's float32: in bfloat16 the drafter's one-token forwards and the K+1-token verification
+    round differently, and a near-tie (top-2 logit gap 0.09) rejected 1 of 60 drafts."""
     runs_dir = tmp_path_factory.mktemp("vllm-eval") / "runs"
     code = cli.main(
         args(
@@ -225,7 +224,6 @@ def self_drafted(smollm_path, tmp_path_factory):
             f"eval.max_new_tokens={TOKENS}",
             f"eval.num_draft_tokens={K}",
             "eval.warmup=1",
-            "distill.server.dtype=float32",
         )
     )
     return code, next(runs_dir.glob("**/eval-vllm"))

@@ -352,7 +352,7 @@ class ServerConfig:
     # preferred port of the local server; None (or taken): a free one
     port: int | None = field(default=None, metadata=PORT)
     cpu_kvcache_gb: int = field(default=2, metadata=AT_LEAST_0)  # VLLM_CPU_KVCACHE_SPACE of the CPU build
-    enforce_eager: bool = True  # no graph capture: right on CPU; GPU recipes set false for CUDA graphs
+    enforce_eager: bool = True  # no graph capture: right on CPU; GPU recipes set false for CUDA graphs (no GPU: eager)
     extra_args: list[str] = field(default_factory=list)  # more vllm serve arguments
 
     @staticmethod

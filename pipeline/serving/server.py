@@ -78,7 +78,12 @@ def target_server(
     """The target behind vLLM with ``distill.server``'s launch settings (distillation and the vLLM eval), as
     ``replicas`` data-parallel replicas behind ``api_servers`` API-server processes: distillation's fan-out; the
     vLLM eval times one request at a time, which one replica and one API server serve."""
+    import torch
+
     launch = cfg.distill.server
+    # enforce_eager=false buys CUDA graphs; without a GPU it buys only a torch.compile warm-up (22 s of a tiny
+    # stand-in's dry-run start on a 2-core EPYC), so a GPU recipe's dry run on a CPU node serves eagerly
+    eager = launch.enforce_eager or torch.cuda.device_count() == 0
     return VLLMServer(
         folder,
         cfg.target.name,
@@ -91,7 +96,7 @@ def target_server(
         tensor_parallel=launch.tensor_parallel,
         data_parallel=replicas,
         api_servers=api_servers,
-        enforce_eager=launch.enforce_eager,
+        enforce_eager=eager,
         extra_args=[*launch.extra_args, *extra_args],
         startup_timeout_s=launch.startup_timeout_s,
     )
