@@ -97,10 +97,12 @@ lint-fix: install ## ruff: fix what it can and format the code
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# One process: on 2 cores, 2 xdist workers took CI from 44 to 58 min and broke tests that run servers and a
-# Slurm cluster beside another (docs/design.md, "Tests"); the fast tier gains from them.
+# Two xdist workers for the tests of one torch thread each (the fast tier and the statistical decoding tests), then
+# one process for the end-to-end tests: 2 workers for everything took CI from 44 to 58 min on 2 cores and broke tests
+# that run servers and a Slurm cluster beside another (docs/design.md, "Tests"). Both parts run; either failing fails.
 test: install ## all tests: fast unit tests and the slow end-to-end tests
-	$(PY) -m pytest -q
+	@status=0; $(PY) -m pytest -q -n 2 --dist loadgroup -m parallel || status=$$?; \
+	$(PY) -m pytest -q -m "not parallel" || status=$$?; exit $$status
 
 test-fast: install ## only the fast unit tests (~4 min on 2 cores, TEST_WORKERS=2; make test adds the end-to-end and paper dry runs)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not paper"

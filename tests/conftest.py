@@ -23,14 +23,20 @@ if "MKL_CBWR" not in os.environ:
     os.environ["MKL_CBWR"] = "COMPATIBLE"
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the marks added here
 def pytest_collection_modifyitems(items):
     """Under ``pytest -n N --dist loadgroup`` (make test-fast), tests that share one costly thing run on one
-    worker: the session's vLLM server (started once, ~5 GB) and test_slurm's one-node cluster (fixed ports)."""
+    worker: the session's vLLM server (started once, ~5 GB) and test_slurm's one-node cluster (fixed ports).
+    ``parallel``: what make test runs on two workers first: the fast tier but the session server's tests, and the slow
+    tests of one torch thread (the statistical ones); the other slow and paper tests run after them in one process."""
     for item in items:
         if "vllm_server" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group("vllm_server"))
         elif item.module.__name__.endswith("test_slurm"):
             item.add_marker(pytest.mark.xdist_group("slurm"))
+        end_to_end = item.get_closest_marker("slow") or item.get_closest_marker("paper")
+        if "one_thread" in item.fixturenames or not (end_to_end or "vllm_server" in item.fixturenames):
+            item.add_marker(pytest.mark.parallel)
 
 
 REAL_MODELS = {"smollm_path", "gemma_path"}  # fixtures of the real (135M, 270M) models

@@ -701,7 +701,9 @@ def test_head_finetunes_on_the_pair_and_the_eval_drafts_with_it_losslessly(head_
     assert len(losses(stage_dir(compose_config(head_finetuned), "finetune").path)) == 6
     metrics = eval_metrics(head_finetuned)
     lossless = metrics["lossless"]
-    assert lossless["exact"] == lossless["outputs_checked"] == 3 * 2 and not lossless["mismatches"], lossless
+    drafted = set(metrics["results"]["de-en"]["T=0.0"]["seeds"]["0"]) - {"target"}
+    assert {"speculative", "hybrid"} <= drafted  # and the K the costs chose, where it differs from the recipe's
+    assert lossless["exact"] == lossless["outputs_checked"] == 3 * len(drafted) and not lossless["mismatches"], lossless
     for temperature in ("T=0.0", "T=1.0"):
         head = metrics["results"]["de-en"][temperature]["seeds"]["0"]["speculative"]
         assert head["tau"] >= 1 and len(head["acceptance_per_position"]) == 4, head
