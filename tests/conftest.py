@@ -18,9 +18,12 @@ MODELS_DIR = REPO_ROOT / "models"
 # need MKL's reproducible mode in every process they start (inherited; docs/design.md, Tests). COMPATIBLE: AUTO
 # still failed that comparison after test_training.py on the 2-core Xeon. pytest's own process keeps MKL's fast
 # code paths (COMPATIBLE's runs float32 GEMM 2-3x slower): MKL reads MKL_CBWR at its first call, made here first.
-if "MKL_CBWR" not in os.environ:
+# An xdist worker inherits the variable from pytest's first process: the mark says it is this file's, not the user's.
+SET_HERE = "SPECDRAFT_TESTS_SET_MKL_CBWR"
+if "MKL_CBWR" not in os.environ or os.environ.get(SET_HERE):
+    os.environ.pop("MKL_CBWR", None)
     torch.mm(torch.ones(8, 8), torch.ones(8, 8))
-    os.environ["MKL_CBWR"] = "COMPATIBLE"
+    os.environ["MKL_CBWR"], os.environ[SET_HERE] = "COMPATIBLE", "1"
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the marks added here
