@@ -78,7 +78,7 @@ def target_server(
     """The target behind vLLM with ``distill.server``'s launch settings (distillation and the vLLM eval), as
     ``replicas`` data-parallel replicas behind ``api_servers`` API-server processes: distillation's fan-out; the
     vLLM eval times one request at a time, which one replica and one API server serve."""
-    import torch
+    import torch  # here: the client processes import this module and never need torch
 
     launch = cfg.distill.server
     # enforce_eager=false buys CUDA graphs; without a GPU it buys only a torch.compile warm-up (22 s of a tiny
