@@ -40,8 +40,6 @@ def pytest_collection_modifyitems(items):
         end_to_end = item.get_closest_marker("slow") or item.get_closest_marker("paper")
         if "one_thread" in item.fixturenames or not (end_to_end or "vllm_server" in item.fixturenames):
             item.add_marker(pytest.mark.parallel)
-    # The statistical tests (60-115 s each) first: the last of them no longer runs alone on one worker at the end.
-    items.sort(key=lambda item: not (item.get_closest_marker("slow") and "one_thread" in item.fixturenames))
 
 
 REAL_MODELS = {"smollm_path", "gemma_path"}  # fixtures of the real (135M, 270M) models
