@@ -97,7 +97,7 @@ lint-fix: install ## ruff: fix what it can and format the code
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# Two xdist workers for the tests of one torch thread each (the fast tier and the statistical decoding tests), then
+# Two xdist workers for the fast tier (but the session vLLM server's tests) and the statistical decoding tests, then
 # one process for the end-to-end tests: 2 workers for everything took CI from 44 to 58 min on 2 cores and broke tests
 # that run servers and a Slurm cluster beside another (docs/design.md, "Tests"). Both parts run; either failing fails.
 test: install ## all tests: fast unit tests and the slow end-to-end tests

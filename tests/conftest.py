@@ -26,6 +26,11 @@ if "MKL_CBWR" not in os.environ or os.environ.get(SET_HERE):
     os.environ["MKL_CBWR"], os.environ[SET_HERE] = "COMPATIBLE", "1"
 
 
+def end_to_end(item: pytest.Item) -> bool:
+    """A slow or paper test: the stages on real models, servers, clusters (both cores, one process in make test)."""
+    return bool(item.get_closest_marker("slow") or item.get_closest_marker("paper"))
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the marks added here
 def pytest_collection_modifyitems(items):
     """Under ``pytest -n N --dist loadgroup`` (make test-fast), tests that share one costly thing run on one
@@ -37,8 +42,7 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xdist_group("vllm_server"))
         elif item.module.__name__.endswith("test_slurm"):
             item.add_marker(pytest.mark.xdist_group("slurm"))
-        end_to_end = item.get_closest_marker("slow") or item.get_closest_marker("paper")
-        if "one_thread" in item.fixturenames or not (end_to_end or "vllm_server" in item.fixturenames):
+        if "one_thread" in item.fixturenames or not (end_to_end(item) or "vllm_server" in item.fixturenames):
             item.add_marker(pytest.mark.parallel)
 
 
@@ -60,8 +64,7 @@ def one_thread():
 def torch_threads(request):
     """``one_thread`` for every test but the slow and paper ones and those of the real models, which keep every core
     (a slow test of tiny models asks for ``one_thread`` itself)."""
-    marked = request.node.get_closest_marker("slow") or request.node.get_closest_marker("paper")
-    if not marked and not REAL_MODELS & set(request.fixturenames):
+    if not end_to_end(request.node) and not REAL_MODELS & set(request.fixturenames):
         request.getfixturevalue("one_thread")
 
 
