@@ -6,7 +6,8 @@ every timer of the engine, the eval stage and the benchmarks measures what a use
 it is ``perf_counter`` alone.
 
 ``half_precision_dtypes(device)`` names the half-precision dtypes the device computes natively, the
-candidates the eval stage may decode in (pipeline/speculative/costs.py).
+candidates the eval stage may decode in (pipeline/speculative/costs.py); ``autocast_precision(requested)``
+is the training step's autocast by the same rule.
 
 ``check_slurm_gpus()`` refuses, in one line, a Slurm job whose torch cannot see the GPUs Slurm gave it
 (a CPU build installed on a login node without nvidia-smi, or a driver the build cannot use): every
@@ -117,6 +118,19 @@ def half_precision_dtypes(device: torch.device) -> list[str]:
     if device.type == "cuda":
         return (["bfloat16"] if torch.cuda.is_bf16_supported(including_emulation=False) else []) + ["float16"]
     return [dtype for dtype, flags in NATIVE_CPU_FLAGS.items() if cpu_flags() & set(flags)]
+
+
+AUTOCAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def autocast_precision(requested: str) -> str:
+    """The training step's autocast (accelerate's ``mixed_precision``) for ``train.<stage>.mixed_precision``: the
+    requested half precision where the device training runs on (CUDA when visible, else the CPU) multiplies it
+    natively, else ``no``: float32, because autocast then emulates it (a bf16 step of a 2-core AMD EPYC without
+    AVX512-BF16 took 14x the float32 step)."""
+    dtype = AUTOCAST_DTYPES.get(requested)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return requested if dtype is None or dtype in half_precision_dtypes(device) else "no"
 
 
 def relevant_cpu_flags() -> list[str]:

@@ -143,6 +143,18 @@ def test_device_setting_is_resolved_and_checked(monkeypatch):
         compose_config(["recipe=ci", "eval.device=gpu"])
 
 
+def test_training_autocasts_only_in_a_half_precision_its_device_multiplies_natively(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(devices, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))  # a 2-core AMD EPYC's
+    assert [devices.autocast_precision(p) for p in ("no", "bf16", "fp16")] == ["no", "no", "no"]
+    monkeypatch.setattr(devices, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))  # the Xeon's
+    assert [devices.autocast_precision(p) for p in ("no", "bf16", "fp16")] == ["no", "bf16", "no"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for ampere, expected in ((True, ["no", "bf16", "fp16"]), (False, ["no", "no", "fp16"])):  # an A100, a V100
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, a=ampere: a)
+        assert [devices.autocast_precision(p) for p in ("no", "bf16", "fp16")] == expected
+
+
 def test_a_slurm_job_whose_torch_cannot_see_its_gpus_is_refused_in_one_line(monkeypatch):
     job = {"SLURM_JOB_ID": "7"}
     devices.check_slurm_gpus({})  # not a Slurm job: nothing to compare

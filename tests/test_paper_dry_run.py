@@ -21,6 +21,7 @@ from huggingface_hub import constants
 
 from pipeline.config import REPO_ROOT, ConfigError, compose_config
 from pipeline.data.sources import load_sources
+from pipeline.device import autocast_precision
 from pipeline.models.provision import load_tokenizer, model_path
 from pipeline.prompts import prompt_ids
 from pipeline.rundir import stage_dir
@@ -83,6 +84,9 @@ def assert_every_stage(cfg, log: str, runs_dir: Path) -> None:
         assert f"{stage}: done in" in log and stage_dir(cfg, stage).is_complete()
     assert str(stage_dir(cfg, "eval").path).startswith(str(runs_dir))
     assert_one_tokenization(cfg)
+    for stage in ("pretrain", "finetune"):  # the recipe's bf16 autocast where this machine has native bf16
+        counts = json.loads((stage_dir(cfg, stage).path / "manifest.json").read_text())["counts"]
+        assert counts["mixed_precision"] == autocast_precision(cfg.train[stage].mixed_precision.value)
     # vLLM ran the target's dtype, and no sampling defaults of its generation_config (Llama-2-chat's top_p 0.9)
     server_log = (stage_dir(cfg, "distill").path / "server" / "vllm.log").read_text()
     assert "'generation_config': 'vllm'" in server_log and f"dtype=torch.{cfg.target.dtype}" in server_log

@@ -440,7 +440,7 @@ class TrainConfig:
     grad_accum: int = field(default=1, metadata=AT_LEAST_1)  # micro-batches per optimizer step
     max_length: int = field(default=512, metadata=AT_LEAST_1)  # tokens per training sequence
     grad_clip: float = field(default=1.0, metadata=AT_LEAST_0)  # gradient-norm clip (0: none)
-    mixed_precision: MixedPrecision = MixedPrecision.no  # autocast of the training step
+    mixed_precision: MixedPrecision = MixedPrecision.no  # training step's autocast where native, else float32
     log_every: int = field(default=10, metadata=AT_LEAST_1)  # steps between logged metrics
     # steps between checkpoints, or auto: every 200 steps, or every steps/50 in a run of more than 10,000 (at most 50
     # checkpoints: a ZeRO checkpoint costs seconds); a preemption and the last step checkpoint too

@@ -40,6 +40,7 @@ from tqdm import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from pipeline.config import ConfigError, Loss
+from pipeline.device import autocast_precision, cpu_model
 from pipeline.durable import DiskFullError, fsync_tree, no_room_line, out_of_room, write_atomic
 from pipeline.models.drafter import make_parallel, save_drafter
 from pipeline.models.eagle3 import Eagle3Head
@@ -337,7 +338,14 @@ def train(
     checkpoint is declared, so no resume continues after a line a crash lost.
     ``evaluate(model)``, if given, runs at every checkpoint step and its metrics join that step's log line."""
     # .value: str() of a (str, Enum) member is its qualified name, which accelerate refuses
-    accelerator = Accelerator(mixed_precision=tc.mixed_precision.value, gradient_accumulation_steps=tc.grad_accum)
+    precision = autocast_precision(tc.mixed_precision.value)
+    accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=tc.grad_accum)
+    if precision != tc.mixed_precision.value:
+        accelerator.print(
+            f"training in float32: this {accelerator.device.type} has no native {tc.mixed_precision.value} "
+            f"({cpu_model() if accelerator.device.type == 'cpu' else torch.cuda.get_device_name()}), which "
+            f"autocast would emulate many times slower"
+        )
     objective = objective or supervised_objective(Loss(tc.get("loss", Loss.ce)))  # pretraining has no KD option
     world = accelerator.num_processes
     local_batch, steps_per_epoch, total_steps = plan_steps(tc, len(examples), world)
@@ -416,6 +424,7 @@ def train(
     summary = {
         "steps": step,
         "processes": accelerator.num_processes,
+        "mixed_precision": precision,
         "tokens_seen": tokens_before + run_tokens,
         "final_loss": last_loss,
         "train_time_s": round(wall, 1),
@@ -451,7 +460,7 @@ def train_drafter(
                 "train.finetune.on_policy.enabled, or choose a standalone drafter"
             )
         collate = Collator(tokenizer.pad_token_id, None, pack_length)  # head and target read target ids
-        dtype = eagle3.target_dtype(tc.mixed_precision.value, target_dtype)
+        dtype = eagle3.target_dtype(autocast_precision(tc.mixed_precision.value), target_dtype)
         objective = eagle3.head_objective(target_path, model, vocab, Loss(drafter.loss), drafter.ttt_steps, dtype)
     elif tc.parallel_draft.enabled:
         mask_id = None  # a reduced vocabulary's mask, or one the drafter already has, needs no choosing
