@@ -445,6 +445,7 @@ def test_eval_chooses_target_dtype_and_k_from_measured_costs_and_says_when_no_k_
         "eval.warmup=1",
         "eval.dtype_candidates=[bfloat16]",
         "eval.temperatures=[0]",  # the choices under test are T=0's
+        "eval.methods=[target,speculative]",  # the drafter's K choice and the baseline it is checked against
     ]
     assert cli.main(args) == 0
     printed = capsys.readouterr().out
