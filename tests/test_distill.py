@@ -486,19 +486,17 @@ def test_server_killed_mid_run_reports_and_a_rerun_completes(vllm_server, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_stage_death_takes_its_server_along(tmp_path, signum):
-    """Preemption (SIGTERM) mid-run tears the server down; even a SIGKILL of the stage (here as soon as vLLM's
-    worker process exists, which saves the rest of the start-up) leaves no orphaned vLLM process."""
+def test_preemption_takes_the_stages_server_along(tmp_path):
+    """Preemption (SIGTERM) mid-run tears the server down and exits 75 (EX_TEMPFAIL), as training and eval, so
+    Slurm requeues it. A SIGKILL of the stage, which runs no handler, leaves no vLLM process either: the reaper
+    takes the group along (test_two_replicas_kill_9_mid_run_then_the_rerun_asks_exactly_the_missing_records)."""
     args = overrides(tmp_path, SHORT, "data.max_train_prompts=8")
     path = stage_path(args)
     process = cli(args)
-    if signum == signal.SIGTERM:
-        wait_for_records(path, 0, process)
+    wait_for_records(path, 0, process)
     group = wait_for_vllm_worker(path, process)
-    process.send_signal(signum)
-    # SIGTERM: exit 75 (EX_TEMPFAIL), as training and eval, so Slurm requeues it
-    assert process.wait(timeout=60) == (75 if signum == signal.SIGTERM else -signum)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 75
     deadline = time.monotonic() + 30
     while live_members(group) and time.monotonic() < deadline:
         time.sleep(0.2)
