@@ -107,6 +107,24 @@ def test_training_rollout_equals_decoding():
                 assert torch.allclose(out, outputs[s][:, i : i + 1], atol=1e-5), (i, s)
 
 
+def test_a_float32_head_trains_on_a_bfloat16_targets_states_without_autocast(tmp_path):
+    """A paper recipe's bf16 target beside a head whose step does not autocast (mixed_precision=no, or a CPU without
+    native bf16): the objective feeds the head its own dtype and returns a finite loss with gradients."""
+    from pipeline.config import Loss
+    from pipeline.training.eagle3 import head_objective
+
+    target = llama_target()
+    target.save_pretrained(tmp_path / "target")
+    head = head_for(target).train()
+    objective = head_objective(str(tmp_path / "target"), head, None, Loss.kd_forward_kl, 2, "bfloat16")
+    ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+    total, positions, tokens, parts = objective(head, batch, 0)
+    total.backward()
+    assert torch.isfinite(total) and positions > 0 and parts.shape == (2, 2)
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in head.parameters() if p.requires_grad)
+
+
 @pytest.mark.parametrize("ids", [[1, 2, 9], [1, 1, 2], [0, 1], [-1, 1, 2]])
 def test_wrong_layer_ids_are_one_line(ids):
     with pytest.raises(ConfigError, match=r"aux_layer_ids=.* must be 3 distinct layer ids in 0\.\.4") as error:

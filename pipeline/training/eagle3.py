@@ -96,6 +96,10 @@ def head_objective(target_path: str, head: Eagle3Head, vocab: VocabMap | None, l
         positions = (
             batch["position_ids"][:, :length] if segments is not None else torch.arange(length, device=ids.device)[None]
         )
+        # the head's dtype: a half-precision target feeds a float32 head where the step does not autocast
+        # (mixed_precision=no, or a device without native half precision; autocast would cast them back itself)
+        head_dtype = next(model.parameters()).dtype
+        states, embeds = states.to(head_dtype), embeds.to(head_dtype)
         logits = model(
             states[:, :length],
             [embeds[:, 1 + s : 1 + s + length] for s in range(steps)],
