@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.config import Loss
+from pipeline.device import AUTOCAST_DTYPES
 from pipeline.models.eagle3 import Eagle3Head, TargetFeatures
 from pipeline.models.provision import load_model
 from pipeline.models.vocab import VocabMap
@@ -31,7 +32,7 @@ STEP_WEIGHT = 0.8  # EAGLE-3's and SpecForge's decay of the later draft steps' l
 
 def target_dtype(mixed_precision: str, configured: str) -> str:
     """The dtype the target runs in while a head trains: the autocast's half precision, else its own."""
-    return {"bf16": "bfloat16", "fp16": "float16"}.get(mixed_precision, configured)
+    return AUTOCAST_DTYPES.get(mixed_precision, configured)
 
 
 def teacher_logits(target, final_hidden: torch.Tensor, vocab: VocabMap | None) -> torch.Tensor:
