@@ -105,6 +105,9 @@ def test_embeddings_from_target_keep_the_targets_token_geometry(tmp_path):
 
 
 @pytest.mark.slow
+# one thread puts it in make test's first part (two workers), with the one conversion of gemma-3-270m a fresh machine
+# makes (~90 s on the 2-core EPYC), beside the other one-thread tests rather than alone in the second part
+@pytest.mark.usefixtures("one_thread")
 def test_reduced_vocab_drafter_for_gemma(gemma_path):
     cfg = compose_config(["recipe=local"])
     tokenizer = load_tokenizer(gemma_path)

@@ -229,46 +229,6 @@ def test_the_key_is_in_no_command_line_and_the_server_requires_it(vllm_server):
 
 
 @pytest.mark.slow
-def test_a_squatter_on_the_port_is_never_taken_for_our_server_nor_sent_the_key(smollm_path, tmp_path):
-    """Another process answers every request on the preferred port, claiming our model: the server must not be
-    reported healthy there, must not send it the key, and must come up on another port."""
-    import http.server
-    import json as json_module
-    import threading
-
-    seen = []
-
-    class Squatter(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            seen.append((self.path, self.headers.get("Authorization")))
-            body = json_module.dumps({"data": [{"id": "smollm2-135m"}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    squatter = http.server.HTTPServer(("127.0.0.1", 0), Squatter)
-    threading.Thread(target=squatter.serve_forever, daemon=True).start()
-    port = squatter.server_address[1]
-    try:
-        with VLLMServer(
-            smollm_path,
-            "smollm2-135m",
-            tmp_path / "log",
-            REPO_ROOT / "runs" / "cache" / "vllm",
-            port=port,
-            max_model_len=512,
-        ) as server:
-            assert server.port != port
-    finally:
-        squatter.shutdown()
-    assert not [auth for _, auth in seen if auth and server.api_key in auth]
-
-
-@pytest.mark.slow
 def test_client_processes_answer_as_the_client_does_and_a_dead_one_fails_its_requests(vllm_server, smollm_path):
     """ClientProcesses (more requests in flight than one process serves well) answers as TargetClient, with the
     API key in no command line; a client process that dies fails the requests in it, and those sent to it after,
