@@ -94,6 +94,7 @@ def test_two_level_ladder_killed_mid_ladder_measures_only_the_missing_levels(tmp
         "serve_bench.rounds=1",
         "eval.max_new_tokens=8",
         "distill.server.dtype=float32",  # the drafter's forwards and the verification agree: every draft accepted
+        "serve_bench.mixed_langs=[fr-en]",  # and de-en's prompts interleaved with fr-en's
     )
     exported(args, smollm_path, smollm_path)
     path = stage_dir(compose_config(args), "serve-bench").path
@@ -119,7 +120,7 @@ def test_two_level_ladder_killed_mid_ladder_measures_only_the_missing_levels(tmp
     print(f"rerun: {time.monotonic() - started:.0f} s\n{rerun.stdout[-4000:]}")
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert "serve-bench: target: every level measured before" in rerun.stdout
-    assert "serve-bench: drafter: measuring concurrency 1, 2\n" in rerun.stdout
+    assert "serve-bench: drafter: measuring concurrency 1, 2, then mixed-language traffic\n" in rerun.stdout
     assert [level.stat().st_mtime_ns for level in target_levels] == measured_at
     assert not (path / "servers" / "target" / "vllm.log").read_text().count("starting vLLM") > 1
     assert (path / MARKER).exists() and (path / "serve_bench.png").stat().st_size > 0
@@ -137,8 +138,15 @@ def test_two_level_ladder_killed_mid_ladder_measures_only_the_missing_levels(tmp
         for key in ("p50_tpot_ms", "p95_tpot_ms", "p50_ttft_ms", "p95_ttft_ms"):
             assert drafter[key] > 0 and target[key] > 0
     assert set(result["stops_paying_at"]) == {"drafter"} and result["environment"]["vllm"]
+    mixed = result["methods"]["drafter"]["mixed"]
+    assert mixed["concurrency"] == 2 and "mixed" not in result["methods"]["target"]
+    for pair in ("de-en", "fr-en"):  # per language, from vLLM's per-request metrics: every draft accepted there too
+        figures = mixed["pairs"][pair]
+        assert figures["requests"] == 2 and figures["alpha"] == 1.0 and figures["tau"] == K + 1
+        assert figures["acceptance_per_position"] == [1.0] * K and figures["draft_tokens"] == K * figures["drafts"]
     table = (path / "serve_bench.md").read_text()
-    assert table.count("| drafter | ") == 2 and "Where each method stops paying" in table
+    assert table.count("| drafter | ") == 2 + 2 and "Where each method stops paying" in table
+    assert "Mixed-language traffic" in table and "| drafter | fr-en | 2 | 1.00 | 3.00 | 1.00 1.00 |" in table
 
 
 # ---- canned servers: resuming, refusals, the K schedule ----
@@ -252,7 +260,29 @@ def test_bad_inputs_are_one_line_before_any_server(tmp_path, smollm_path, canned
         ["serve-bench", *overrides(runs_dir, "serve_bench.methods=[target]", "serve_bench.temperature=1")], capsys
     )
     assert "the CPU ladder is greedy" in err and "serve_bench.temperature=0" in err
+    err = refusal(["serve-bench", *overrides(runs_dir, "serve_bench.mixed_langs=[xx-yy]")], capsys)
+    assert "serve_bench.mixed_langs: unknown xx-yy; valid: " in err
     assert measured == []
+
+
+def spec_metrics(k: int, accepted_per_step: list[int]) -> dict:
+    """A response's metrics.speculative_decoding as vLLM 0.32 writes it (RequestSpecDecodeMetrics.to_dict): K drafts a
+    step, ``accepted_per_step`` of them accepted."""
+    histogram = [accepted_per_step.count(j) for j in range(k + 1)]
+    return {"acceptance_histogram": histogram, "num_draft_tokens": k * len(accepted_per_step), "num_spec_tokens": k}
+
+
+def test_mixed_traffic_acceptance_is_each_languages_own():
+    """Interleaved requests of two pairs: each pair's α, τ and acceptance per position from its own requests only,
+    as vLLM's counters would give them for that pair alone."""
+    pairs = ["de-en", "ja-en", "de-en", "ja-en"]
+    metrics = [spec_metrics(2, [2, 2, 1]), spec_metrics(2, [0, 0]), spec_metrics(2, [2, 0]), spec_metrics(2, [1])]
+    by_pair = serve_bench.acceptance_by_pair(pairs, metrics)
+    de, ja = by_pair["de-en"], by_pair["ja-en"]  # de-en: steps accepting 2, 2, 1, 2, 0; ja-en: 0, 0, 1
+    assert (de["requests"], de["drafts"], de["draft_tokens"], de["accepted_tokens"]) == (2, 5, 10, 7)
+    assert de["alpha"] == 0.7 and de["tau"] == 1 + 7 / 5 and de["acceptance_per_position"] == [4 / 5, 3 / 5]
+    assert (ja["requests"], ja["drafts"], ja["accepted_tokens"]) == (2, 3, 1)
+    assert ja["alpha"] == 1 / 6 and ja["tau"] == 1 + 1 / 3 and ja["acceptance_per_position"] == [1 / 3, 0.0]
 
 
 def test_suffix_is_skipped_and_said_so_where_arctic_inference_is_missing(tmp_path, canned, monkeypatch):

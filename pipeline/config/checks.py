@@ -9,7 +9,7 @@ import dataclasses
 import re
 import typing
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pipeline.config.folders import options
 from pipeline.config.schemas import (
@@ -91,9 +91,9 @@ def _named_files(cfg: DictConfig) -> list[str]:
     for stage in ("pretrain", "finetune"):
         if (launch := cfg.train[stage].launch) not in options("launch"):
             problems.append(f"train.{stage}.launch '{launch}' unknown; valid: {', '.join(options('launch'))}")
-    for key in ("matrix_langs", "router_langs"):
-        if unknown := [pair for pair in cfg.eval[key] if pair not in options("lang")]:
-            problems.append(f"eval.{key}: unknown {', '.join(unknown)}; valid: {', '.join(options('lang'))}")
+    for key in ("eval.matrix_langs", "eval.router_langs", "serve_bench.mixed_langs"):
+        if unknown := [pair for pair in OmegaConf.select(cfg, key) if pair not in options("lang")]:
+            problems.append(f"{key}: unknown {', '.join(unknown)}; valid: {', '.join(options('lang'))}")
     return problems
 
 

