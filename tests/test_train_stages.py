@@ -21,6 +21,7 @@ from pipeline.models.provision import load_model, load_tokenizer
 from pipeline.models.vocab import VocabMap
 from pipeline.prompts import IGNORE, build_prompt
 from pipeline.rundir import MARKER, stage_dir
+from pipeline.stages import serve_bench
 from pipeline.training.data import Collator, TokenStrings, finetune_examples, read_records
 from pipeline.training.launch import read_metrics
 from pipeline.training.loop import latest_checkpoint
@@ -698,6 +699,14 @@ def test_vllm_serves_the_exported_head_with_the_targets_own_greedy_outputs(head_
     assert AutoConfig.from_pretrained(folder).eagle_aux_hidden_state_layer_ids == [2, 15, 27]
     assert torch.equal(load_file(folder / "model.safetensors")["d2t"] + torch.arange(2048), vocab.target_ids)
     assert '"method": "eagle3"' in (folder / "README.md").read_text()
+    # serve-bench's ladder serves the head as it serves a standalone drafter: the export's speculative_config
+    bench = stage_dir(compose_config(head_finetuned), "serve-bench")
+    assert serve_bench.exported_config(compose_config(head_finetuned), bench) == {
+        "method": "eagle3",
+        "model": str(folder.resolve()),
+        "num_speculative_tokens": compose_config(head_finetuned).eval.num_draft_tokens,
+        "single_kv_group": False,
+    }
     served = [*head_finetuned, "eval.engine=vllm", f"eval.drafter_path={folder}", "eval.temperatures=[0]"]
     assert cli(["eval", *served]) == 0  # the ci recipe serves float32: exact greedy outputs
     metrics = eval_metrics(served)
