@@ -711,6 +711,8 @@ def test_vllm_serves_the_exported_head_with_the_targets_own_greedy_outputs(head_
     assert cli(["eval", *served]) == 0  # the ci recipe serves float32: exact greedy outputs
     metrics = eval_metrics(served)
     assert metrics["lossless"]["exact"] == metrics["lossless"]["outputs_checked"] == 3, metrics["lossless"]
+    report = (stage_dir(compose_config(served), "eval").path / "report.md").read_text()
+    assert f"drafter `{folder}` (vLLM method eagle3)" in report
     vllm = metrics["results"]["de-en"]["T=0.0"]["seeds"]["0"]["vllm_speculative"]
     ours = eval_metrics(head_finetuned)["results"]["de-en"]["T=0.0"]["seeds"]["0"]["speculative"]
     assert vllm["draft_tokens"] > 0 and abs(vllm["alpha"] - ours["alpha"]) < 0.1, (vllm, ours)

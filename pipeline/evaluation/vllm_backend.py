@@ -423,6 +423,7 @@ def report(metrics: dict) -> str:
         if SINGLE_KV_GROUP in metrics["speculative_server_args"]
         else ""
     )
+    method = metrics["speculative_config"]["method"]
     rows = []
     for pair, by_t in metrics["results"].items():
         for t, result in by_t.items():
@@ -438,7 +439,7 @@ def report(metrics: dict) -> str:
         [
             "# eval through vLLM's speculative decoding (eval.engine=vllm)",
             "",
-            f"target `{metrics['target']}`, drafter `{metrics['drafter']}` (vLLM method draft_model{served}), "
+            f"target `{metrics['target']}`, drafter `{metrics['drafter']}` (vLLM method {method}{served}), "
             f"K = {metrics['K']}, max_new_tokens = {metrics['max_new_tokens']}, batch size 1, "
             f"median of {metrics['repetitions']} repetitions; "
             f"vLLM {env['vllm']} on {env['device']} ({env['cpu_count']} cores)",

@@ -129,8 +129,12 @@ def export_eagle3_head(cfg: DictConfig, target_path: str, finetuned: str, folder
     counts = {
         "folder": str(folder.resolve()),
         "reduced_vocab": len(vocab.target_ids) if vocab is not None else None,
-        # vLLM's EAGLE proposers find their own KV cache group: no sliding-window target needs SINGLE_KV_GROUP
-        "vllm": {"speculative_config": spec, "disable_hybrid_kv_cache_manager": False, "reason": problem},
+        # as a draft model's (the eval's vLLM servers take SINGLE_KV_GROUP by the same test, for every drafter kind)
+        "vllm": {
+            "speculative_config": spec,
+            "disable_hybrid_kv_cache_manager": sliding_window_target(target_path),
+            "reason": problem,
+        },
         "check_command": check,
     }
     values = run_values(cfg) | {
