@@ -476,11 +476,10 @@ def test_server_killed_mid_run_reports_and_a_rerun_completes(vllm_server, tmp_pa
     class Squatter(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             seen.append((self.path, self.headers.get("Authorization")))
-            body = claimed
             self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Length", str(len(claimed)))
             self.end_headers()
-            self.wfile.write(body)
+            self.wfile.write(claimed)
 
         def log_message(self, *args):
             pass

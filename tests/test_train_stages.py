@@ -700,11 +700,11 @@ def test_vllm_serves_the_exported_head_with_the_targets_own_greedy_outputs(head_
     assert torch.equal(load_file(folder / "model.safetensors")["d2t"] + torch.arange(2048), vocab.target_ids)
     assert '"method": "eagle3"' in (folder / "README.md").read_text()
     # serve-bench's ladder serves the head as it serves a standalone drafter: the export's speculative_config
-    bench = stage_dir(compose_config(head_finetuned), "serve-bench")
-    assert serve_bench.exported_config(compose_config(head_finetuned), bench) == {
+    cfg = compose_config(head_finetuned)
+    assert serve_bench.exported_config(cfg, stage_dir(cfg, "serve-bench")) == {
         "method": "eagle3",
         "model": str(folder.resolve()),
-        "num_speculative_tokens": compose_config(head_finetuned).eval.num_draft_tokens,
+        "num_speculative_tokens": cfg.eval.num_draft_tokens,
         "single_kv_group": False,
     }
     served = [*head_finetuned, "eval.engine=vllm", f"eval.drafter_path={folder}", "eval.temperatures=[0]"]

@@ -245,9 +245,11 @@ def acceptance_by_pair(pairs: list[str], metrics: list[dict]) -> dict[str, dict]
     position (the share of steps that accepted at least that many drafts), as the ladder's counters give them."""
     totals: dict[str, dict] = {}
     for pair, request in zip(pairs, metrics):
-        total = totals.setdefault(pair, {"requests": 0, "histogram": [0] * len(request["acceptance_histogram"])})
+        total = totals.setdefault(
+            pair, {"requests": 0, "draft_tokens": 0, "histogram": [0] * len(request["acceptance_histogram"])}
+        )
         total["requests"] += 1
-        total["draft_tokens"] = total.get("draft_tokens", 0) + request["num_draft_tokens"]
+        total["draft_tokens"] += request["num_draft_tokens"]
         total["histogram"] = [a + b for a, b in zip(total["histogram"], request["acceptance_histogram"])]
     out = {}
     for pair, total in totals.items():
@@ -307,8 +309,10 @@ def mixed_traffic(cfg: DictConfig, server: VLLMServer, data: dict, concurrency: 
     }
 
 
-def mixed_path(directory: StageDir, method: str) -> Path:
-    return directory.path / MIXED / f"{method}.json"
+def mixed_path(directory: StageDir, method: str, spec: dict | None, data: dict) -> Path | None:
+    """Where the method's mixed-language figures go; None where none are measured (the target alone, or no
+    serve_bench.mixed_langs)."""
+    return directory.path / MIXED / f"{method}.json" if spec is not None and data["mixed"] else None
 
 
 def run_ladder(
@@ -317,13 +321,14 @@ def run_ladder(
     """The method's levels: measured ones read back, the missing ones measured (one server for them all)."""
     ladder = sorted(cfg.serve_bench.concurrency)
     missing = [c for c in ladder if not level_path(directory, method, c).exists()]
-    mixed = mixed_path(directory, method) if spec is not None and data["mixed"] else None
-    if missing or (mixed and not mixed.exists()):
+    mixed = mixed_path(directory, method, spec, data)
+    mixed_missing = mixed is not None and not mixed.exists()
+    if missing or mixed_missing:
         done = [c for c in ladder if c not in missing]
         print(
             f"serve-bench: {method}: measuring concurrency {', '.join(map(str, missing)) or 'none'}"
             + (f" ({', '.join(map(str, done))} measured before)" if done else "")
-            + (", then mixed-language traffic" if mixed and not mixed.exists() else ""),
+            + (", then mixed-language traffic" if mixed_missing else ""),
             flush=True,
         )
         launch = server_args(spec, per_request_metrics=mixed is not None)
@@ -335,7 +340,7 @@ def run_ladder(
                 path = level_path(directory, method, concurrency)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 write_atomic(path, json.dumps(result) + "\n")
-            if mixed and not mixed.exists():
+            if mixed_missing:
                 mixed.parent.mkdir(parents=True, exist_ok=True)
                 write_atomic(mixed, json.dumps(mixed_traffic(cfg, server, data, ladder[-1])) + "\n")
     else:
@@ -419,8 +424,8 @@ def measure(cfg: DictConfig, directory: StageDir, target_path: str, data: dict) 
         if not target:  # the target's ladder runs first
             target.update(raw)
         methods[method] = {"speculative_config": spec, "levels": {c: figures(r, target[c]) for c, r in raw.items()}}
-        if spec is not None and data["mixed"]:
-            methods[method]["mixed"] = json.loads(mixed_path(directory, method).read_text())
+        if (mixed := mixed_path(directory, method, spec, data)) is not None:
+            methods[method]["mixed"] = json.loads(mixed.read_text())
 
     for method, spec in configs.items():
         ladder(method, spec)
