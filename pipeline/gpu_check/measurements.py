@@ -11,8 +11,16 @@ import torch
 
 from pipeline.bench import ties
 from pipeline.gpu_check.checks import K, ensure, stop, train_drafter, training_config, training_examples
-from pipeline.gpu_check.models import calibrate, last_token_pair, prompt_ids, random_model
-from pipeline.speculative.engine import CachedModel, ModelDrafter, generate, hf_generate, predicted_speedup, step_costs
+from pipeline.gpu_check.models import calibrate, last_token_pair, prompt_ids, random_head, random_model
+from pipeline.speculative.engine import (
+    CachedModel,
+    HeadLM,
+    ModelDrafter,
+    generate,
+    hf_generate,
+    predicted_speedup,
+    step_costs,
+)
 from pipeline.speculative.metrics import method_stats, timed
 from pipeline.speculative.sampler import Sampling
 
@@ -48,7 +56,12 @@ def measure_costs(ctx) -> dict:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     target_model, drafter, _ = pair(ctx)
     target = CachedModel(target_model)
-    drafters = {"fp32": CachedModel(drafter), "bf16": CachedModel(copy.deepcopy(drafter).to(torch.bfloat16))}
+    head = random_head(ctx.shapes, target_model, ctx.device, torch.bfloat16)
+    drafters = {
+        "fp32": CachedModel(drafter),
+        "bf16": CachedModel(copy.deepcopy(drafter).to(torch.bfloat16)),
+        "head_bf16": HeadLM(head, target_model.get_input_embeddings(), None),
+    }
     figures = {}
     for context in ctx.shapes.contexts:
         for dtype, lm in drafters.items():
@@ -69,6 +82,9 @@ def measure_costs(ctx) -> dict:
         "peak_memory_gib": peak_gib(ctx.device),
         "target": f"random bf16 Llama {ctx.shapes.target}, vocab {ctx.shapes.vocab}",
         "drafter": f"random Llama {ctx.shapes.drafter}",
+        # a head's draft step; a round's first also fuses the states of the tokens the target just accepted
+        "head": f"random EAGLE-3 head of conf/drafter/{ctx.shapes.head}.yaml, "
+        f"{sum(p.numel() for p in head.parameters()):,} parameters",
     }
 
 

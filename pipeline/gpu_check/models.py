@@ -16,7 +16,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+from pipeline.config import CONF_DIR
+from pipeline.config.schemas import DrafterConfig
+from pipeline.models.drafter import head_for
+from pipeline.models.vocab import VocabMap
 
 SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2
 WORDS = (
@@ -31,6 +37,7 @@ class Shapes:
     vocab: int
     target: dict  # LlamaConfig fields
     drafter: dict
+    head: str  # the EAGLE-3 head's shape: a conf/drafter/ entry
     contexts: tuple[int, ...]  # prompt lengths the costs are measured at
     ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     max_new_tokens: int = 64  # per decode of the engine and ties measurements
@@ -52,6 +59,7 @@ SHAPES = {
         drafter=dict(
             hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2
         ),
+        head="eagle3-ci",
         contexts=(16, 64),
         ks=(1, 2, 4),
         max_new_tokens=24,
@@ -73,6 +81,7 @@ SHAPES = {
         drafter=dict(
             hidden_size=768, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=12, num_key_value_heads=12
         ),
+        head="eagle3-llama",  # the head shipped for Llama-2-7B-shaped targets
         contexts=(128, 1024),
         max_new_tokens=64,
         prompts=3,
@@ -117,6 +126,16 @@ def random_model(fields: dict, vocab: int, device: torch.device, dtype=torch.flo
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(llama_config(fields, vocab), dtype=dtype)
     return model.eval()
+
+
+def random_head(shapes: Shapes, target, device: torch.device, dtype=torch.float32, vocab_map: VocabMap | None = None):
+    """A random EAGLE-3 head of ``shapes.head``'s configured shape reading ``target``, built on ``device``."""
+    fields = OmegaConf.merge(
+        OmegaConf.structured(DrafterConfig), OmegaConf.load(CONF_DIR / "drafter" / f"{shapes.head}.yaml")
+    )
+    with torch.device(device):
+        head = head_for(target, fields, vocab_map)
+    return head.to(dtype).eval()
 
 
 @torch.no_grad()

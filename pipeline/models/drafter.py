@@ -74,8 +74,13 @@ def target_model(target_path: str) -> PreTrainedModel:
 
 def init_head(drafter: DictConfig, target_path: str, vocab: VocabMap | None, seed: int) -> Eagle3Head:
     """A random EAGLE-3 head of the configured shape for the target, reading its ``drafter.aux_layer_ids``."""
+    return head_for(target_model(target_path), drafter, vocab, seed)
+
+
+def head_for(target: PreTrainedModel, drafter: DictConfig, vocab: VocabMap | None, seed: int = 0) -> Eagle3Head:
+    """A random EAGLE-3 head of ``drafter``'s shape for the loaded ``target``."""
     return new_head(
-        target_model(target_path),
+        target,
         vocab,
         drafter.aux_layer_ids,
         num_heads=drafter.num_heads,
