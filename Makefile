@@ -49,7 +49,7 @@ help: ## this list
 	@echo "  CONFIG_DIR=<dir>   your own configs, laid out like conf/ (target/, lang/, ..., recipes/)"
 	@echo "  DEMO_LANGS='a b'   pairs make demo runs (default de-en; e.g. 'de-en fr-en')"
 	@echo "  GPU_CHECK_PARTS=a,b        make gpu-check runs only these parts (default all; docs/gpu-check.md); GPU_CHECK_SHAPES=tiny|real"
-	@echo "  GPU_CHECK_QUICK=1          make gpu-check --quick (~3.5 min on an H100); GPU_CHECK_PYTHON=python3: no venv (a GPU machine offline)"
+	@echo "  GPU_CHECK_QUICK=1          make gpu-check --quick (~3.7 min on an H100, estimated); GPU_CHECK_PYTHON=python3: no venv (a GPU machine offline)"
 	@echo "  BENCH_DTYPE=<dtype>  make bench measures the recipe's target (and training) in float32, bfloat16 or float16 (default: the recipe's)"
 	@echo "  BENCH=<name>       make bench runs one of: $(notdir $(basename $(filter-out %/__init__.py %/__main__.py,$(wildcard pipeline/bench/*.py))))"
 	@echo "install:"
@@ -159,7 +159,7 @@ GPU_CHECK_QUICK ?=
 # A GPU machine without network (no make install): GPU_CHECK_PYTHON=python3 runs that python, which has torch,
 # transformers, accelerate and the three wheels docs/gpu-check.md ships, instead of the venv.
 GPU_CHECK_PYTHON ?=
-gpu-check: $(if $(GPU_CHECK_PYTHON),,install) ## every GPU path checked + c, v(K), engine speed on this device, ~6 min on an H100 (tiny on a CPU) -> runs/gpu-check/
+gpu-check: $(if $(GPU_CHECK_PYTHON),,install) ## every GPU path checked + c, v(K), engine speed on this device, ~3 min measured on an H200 (tiny on a CPU) -> runs/gpu-check/
 	$(if $(GPU_CHECK_PYTHON),$(GPU_CHECK_PYTHON) -m pipeline,$(RUN)) gpu-check --shapes $(GPU_CHECK_SHAPES)$(if \
 	$(GPU_CHECK_PARTS), --parts $(GPU_CHECK_PARTS))$(if $(GPU_CHECK_QUICK), --quick)
 

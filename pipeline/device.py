@@ -9,6 +9,9 @@ it is ``perf_counter`` alone.
 candidates the eval stage may decode in (pipeline/speculative/costs.py); ``autocast_precision(requested)``
 is the training step's autocast by the same rule.
 
+On CUDA, ``resolve_device`` also turns off cuDNN's attention for the process (``decode_without_cudnn_attention``):
+its per-length plans would charge a decode's first pass over each length.
+
 ``check_slurm_gpus()`` refuses, in one line, a Slurm job whose torch cannot see the GPUs Slurm gave it
 (a CPU build installed on a login node without nvidia-smi, or a driver the build cannot use): every
 stage calls it before any work instead of training or decoding a 7B model on the CPU.
@@ -30,10 +33,8 @@ def resolve_device(spec: str, key: str = "eval.device") -> torch.device:
     """``auto`` (CUDA when one is visible, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``; one-line errors."""
     if not DEVICE_SPEC.fullmatch(spec):
         raise ConfigError(f"{key}={spec} is not a device; use auto, cpu, cuda or cuda:N")
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(spec)
-    if device.type == "cuda":
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if spec == "auto" else spec)
+    if device.type == "cuda" and spec != "auto":
         if not torch.cuda.is_available():
             raise ConfigError(
                 f"{key}={spec} but torch sees no CUDA device (torch {torch.__version__}): "
@@ -43,7 +44,19 @@ def resolve_device(spec: str, key: str = "eval.device") -> torch.device:
             raise ConfigError(f"{key}={spec} but only {torch.cuda.device_count()} CUDA device(s) are visible")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        decode_without_cudnn_attention()
     return device
+
+
+def decode_without_cudnn_attention() -> None:
+    """Keep this process's attention off cuDNN's backend: it builds an execution plan for each new (query, key)
+    length, and a decode meets a new key length every token. On an H200 (torch 2.11) a target-only decode took
+    86-104 ms a token over lengths it had not met and 27-34 ms over them again; with cuDNN's backend off, 30-35 ms
+    either way (docs/results/2026-11-28-gpu-check-h200.md): the first method an eval decodes would pay for every
+    other. Flash and memory-efficient attention build no plans. Training's fixed shapes keep cuDNN (its own
+    processes never resolve a decoding device)."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def slurm_gpus(env: dict[str, str] = os.environ) -> int:

@@ -133,10 +133,17 @@ def test_device_setting_is_resolved_and_checked(monkeypatch):
         ConfigError, match=r"eval.device=cuda:1 but torch sees no CUDA device.*use eval.device=auto or cpu"
     ):
         resolve_device("cuda:1")
+    assert torch.backends.cuda.cudnn_sdp_enabled()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert resolve_device("auto") == torch.device("cuda")
-    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    try:
+        for spec, device in (("auto", torch.device("cuda")), ("cuda:1", torch.device("cuda", 1))):
+            torch.backends.cuda.enable_cudnn_sdp(True)
+            assert resolve_device(spec) == device
+            # cuDNN's attention plans each new length: decoding leaves it (docs/results/2026-11-28-gpu-check-h200.md)
+            assert not torch.backends.cuda.cudnn_sdp_enabled(), spec
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
     with pytest.raises(ConfigError, match="eval.device=cuda:2 but only 2 CUDA device"):
         resolve_device("cuda:2")
     with pytest.raises(ConfigError, match="eval.device=gpu is not a device; use auto, cpu, cuda or cuda:N"):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline import device as devices
 from pipeline.evaluation.gate import GreedyGate, tie_tolerance
@@ -33,6 +34,13 @@ K = 4
 EOS = 2
 CONFIDENCE = 0.3
 SYNC_BOUND = 3  # host syncs per decode round (+1 per drafted token with a confidence cut)
+# every backend, as in a training process (this one resolved a decoding device, which turned cuDNN's off)
+TRAINING_ATTENTION = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
 
 
 class CheckFailed(AssertionError):
@@ -404,7 +412,8 @@ def train_drafter(ctx, out_dir: Path, tc, examples: list[dict], log, compile_mod
     # in the same process (an earlier float32 training, this bf16 one, the next check, a test) would refuse to start
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
-        result = loop.train(tc, model, examples, Collator(0, None), out_dir, log, seed=0)
+        with sdpa_kernel(TRAINING_ATTENTION):
+            result = loop.train(tc, model, examples, Collator(0, None), out_dir, log, seed=0)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     summary = dict(result.summary)
