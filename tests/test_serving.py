@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from pipeline import device as devices
 from pipeline.config import REPO_ROOT, compose_config
 from pipeline.models.provision import ModelNotFoundError
 from pipeline.serving.client import TargetClient, failure_cause, is_transient
@@ -60,13 +61,21 @@ def test_server_refuses_a_folder_without_config(tmp_path):
 def test_one_replica_per_visible_gpu_and_the_eval_dtype_by_default(monkeypatch):
     """data_parallel=auto is the visible GPUs in replicas of tensor_parallel (1 on this CPU), and the target is
     served in target.dtype unless distill.server.dtype says otherwise: Vicuna ships float16, its recipe's eval
-    measures bfloat16, so it is distilled in bfloat16."""
+    measures bfloat16, so it is distilled in bfloat16 (in float32 where a CPU without bfloat16 instructions serves
+    it)."""
     import torch
 
     cfg = compose_config(["recipe=paper-vicuna"])
     assert cfg.distill.server.data_parallel == "auto" and data_parallel_size(cfg.distill.server) == 1
+    monkeypatch.setattr(devices, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))  # the Xeon's
     assert served_dtype(cfg) == cfg.target.dtype == "bfloat16"
     assert served_dtype(compose_config(["recipe=ci"])) == "float32"  # ci's target, as its eval decodes it
+    # a CPU without bfloat16 instructions (the EPYC's): vLLM would emulate it, 5x slower (docs/design.md)
+    monkeypatch.setattr(devices, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    assert served_dtype(cfg) == "float32" and served_dtype(compose_config(["recipe=local"])) == "float32"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # a GPU serves what the config asks
+    assert served_dtype(cfg) == "bfloat16"
+    monkeypatch.undo()
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     for tensor_parallel, replicas in ((1, 8), (2, 4), (3, 2)):
         launch = compose_config(

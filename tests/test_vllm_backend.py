@@ -14,6 +14,7 @@ import torch
 from transformers import AutoTokenizer
 
 from pipeline import cli
+from pipeline import device as devices
 from pipeline.config import REPO_ROOT, compose_config, with_overrides
 from pipeline.evaluation import vllm_backend
 from pipeline.evaluation.vllm_backend import Completion, parse_counters, spec_stats
@@ -163,6 +164,7 @@ def test_greedy_divergence_fails_with_a_clear_margin_and_is_a_tie_without(
         return {blocks[0]: {"generations": generations, "requests": 2, "counters": counters}}
 
     monkeypatch.setattr(vllm_backend, "target_server", lambda *a: Server())
+    monkeypatch.setattr(devices, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))  # served in bfloat16
     asked = []
 
     def request(server, path, body=None):

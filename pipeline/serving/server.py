@@ -68,8 +68,17 @@ def data_parallel_size(launch: DictConfig) -> int:
 
 
 def served_dtype(cfg: DictConfig) -> str:
-    """The dtype our vLLM serves the target in: ``distill.server.dtype``, else ``target.dtype`` (the eval's)."""
-    return cfg.distill.server.dtype or cfg.target.dtype
+    """The dtype our vLLM serves the target in: ``distill.server.dtype``, else ``target.dtype`` (the eval's); float32
+    for a half precision that a CPU serving it (no GPU visible) does not compute natively, which vLLM's CPU build
+    emulates: the demo's gemma-3-270m in bfloat16 generated 12-32 tokens/s over 32 requests on a 2-core AMD EPYC
+    without AVX-512, 76 in float32 (docs/design.md, Distillation)."""
+    import torch
+
+    from pipeline.device import half_precision_dtypes
+
+    requested = cfg.distill.server.dtype or cfg.target.dtype
+    emulated = requested in ("bfloat16", "float16") and requested not in half_precision_dtypes(torch.device("cpu"))
+    return "float32" if emulated and torch.cuda.device_count() == 0 else requested
 
 
 def target_server(
@@ -81,6 +90,9 @@ def target_server(
     import torch  # here: the client processes import this module and never need torch
 
     launch = cfg.distill.server
+    dtype = served_dtype(cfg)
+    if dtype != (requested := launch.dtype or cfg.target.dtype):
+        print(f"vLLM serves the target in {dtype}: this CPU has no {requested} instructions, which vLLM would emulate")
     # enforce_eager=false buys CUDA graphs; without a GPU it buys only a torch.compile warm-up (22 s of a tiny
     # stand-in's dry-run start on a 2-core EPYC), so a GPU recipe's dry run on a CPU node serves eagerly
     eager = launch.enforce_eager or torch.cuda.device_count() == 0
@@ -89,7 +101,7 @@ def target_server(
         cfg.target.name,
         log_dir,
         Path(cfg.paths.cache_dir).resolve() / "vllm",
-        dtype=served_dtype(cfg),
+        dtype=dtype,
         max_model_len=cfg.target.max_model_len,
         port=launch.port,
         cpu_kvcache_gb=launch.cpu_kvcache_gb,
