@@ -25,6 +25,7 @@ from pipeline.device import autocast_precision
 from pipeline.models.provision import load_tokenizer, model_path
 from pipeline.prompts import prompt_ids
 from pipeline.rundir import stage_dir
+from pipeline.serving.server import served_dtype
 from pipeline.training.data import read_records, record_example
 
 pytestmark = pytest.mark.paper
@@ -87,9 +88,10 @@ def assert_every_stage(cfg, log: str, runs_dir: Path) -> None:
     for stage in ("pretrain", "finetune"):  # the recipe's bf16 autocast where this machine has native bf16
         counts = json.loads((stage_dir(cfg, stage).path / "manifest.json").read_text())["counts"]
         assert counts["mixed_precision"] == autocast_precision(cfg.train[stage].mixed_precision.value)
-    # vLLM ran the target's dtype, and no sampling defaults of its generation_config (Llama-2-chat's top_p 0.9)
+    # vLLM ran the target's dtype (float32 on a CPU without its half precision's instructions: served_dtype), and no
+    # sampling defaults of its generation_config (Llama-2-chat's top_p 0.9)
     server_log = (stage_dir(cfg, "distill").path / "server" / "vllm.log").read_text()
-    assert "'generation_config': 'vllm'" in server_log and f"dtype=torch.{cfg.target.dtype}" in server_log
+    assert "'generation_config': 'vllm'" in server_log and f"dtype=torch.{served_dtype(cfg)}" in server_log
 
 
 @pytest.mark.slow
