@@ -133,6 +133,12 @@ def half_precision_dtypes(device: torch.device) -> list[str]:
     return [dtype for dtype, flags in NATIVE_CPU_FLAGS.items() if cpu_flags() & set(flags)]
 
 
+def emulated(dtype: str, device: torch.device) -> bool:
+    """Whether ``dtype`` is a half precision ``device`` does not multiply natively: torch and vLLM's CPU build then
+    emulate it, several times slower than float32."""
+    return dtype in NATIVE_CPU_FLAGS and dtype not in half_precision_dtypes(device)
+
+
 AUTOCAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -143,7 +149,7 @@ def autocast_precision(requested: str) -> str:
     AVX512-BF16 took 14x the float32 step)."""
     dtype = AUTOCAST_DTYPES.get(requested)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return requested if dtype is None or dtype in half_precision_dtypes(device) else "no"
+    return requested if dtype is None or not emulated(dtype, device) else "no"
 
 
 def relevant_cpu_flags() -> list[str]:

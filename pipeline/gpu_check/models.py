@@ -16,11 +16,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-from pipeline.config import CONF_DIR
-from pipeline.config.schemas import DrafterConfig
+from pipeline.config import compose_config
 from pipeline.models.drafter import head_for
 from pipeline.models.vocab import VocabMap
 
@@ -130,11 +128,8 @@ def random_model(fields: dict, vocab: int, device: torch.device, dtype=torch.flo
 
 def random_head(shapes: Shapes, target, device: torch.device, dtype=torch.float32, vocab_map: VocabMap | None = None):
     """A random EAGLE-3 head of ``shapes.head``'s configured shape reading ``target``, built on ``device``."""
-    fields = OmegaConf.merge(
-        OmegaConf.structured(DrafterConfig), OmegaConf.load(CONF_DIR / "drafter" / f"{shapes.head}.yaml")
-    )
     with torch.device(device):
-        head = head_for(target, fields, vocab_map)
+        head = head_for(target, compose_config(["recipe=ci", f"drafter={shapes.head}"]).drafter, vocab_map)
     return head.to(dtype).eval()
 
 

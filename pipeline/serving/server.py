@@ -68,17 +68,21 @@ def data_parallel_size(launch: DictConfig) -> int:
 
 
 def served_dtype(cfg: DictConfig) -> str:
-    """The dtype our vLLM serves the target in: ``distill.server.dtype``, else ``target.dtype`` (the eval's); float32
-    for a half precision that a CPU serving it (no GPU visible) does not compute natively, which vLLM's CPU build
-    emulates: the demo's gemma-3-270m in bfloat16 generated 12-32 tokens/s over 32 requests on a 2-core AMD EPYC
-    without AVX-512, 76 in float32 (docs/design.md, Distillation)."""
+    """The dtype our vLLM serves the target in: the configured one, or float32 for a half precision that a CPU
+    serving it (no GPU visible) does not compute natively, which vLLM's CPU build emulates: the demo's gemma-3-270m
+    in bfloat16 generated 12-32 tokens/s over 32 requests on a 2-core AMD EPYC without AVX-512, 76 in float32
+    (docs/design.md, Distillation)."""
     import torch
 
-    from pipeline.device import half_precision_dtypes
+    from pipeline.device import emulated
 
-    requested = cfg.distill.server.dtype or cfg.target.dtype
-    emulated = requested in ("bfloat16", "float16") and requested not in half_precision_dtypes(torch.device("cpu"))
-    return "float32" if emulated and torch.cuda.device_count() == 0 else requested
+    requested = configured_dtype(cfg)
+    return "float32" if torch.cuda.device_count() == 0 and emulated(requested, torch.device("cpu")) else requested
+
+
+def configured_dtype(cfg: DictConfig) -> str:
+    """The dtype the config asks vLLM to serve the target in: ``distill.server.dtype``, else ``target.dtype``."""
+    return cfg.distill.server.dtype or cfg.target.dtype
 
 
 def target_server(
@@ -91,7 +95,7 @@ def target_server(
 
     launch = cfg.distill.server
     dtype = served_dtype(cfg)
-    if dtype != (requested := launch.dtype or cfg.target.dtype):
+    if dtype != (requested := configured_dtype(cfg)):
         print(f"vLLM serves the target in {dtype}: this CPU has no {requested} instructions, which vLLM would emulate")
     # enforce_eager=false buys CUDA graphs; without a GPU it buys only a torch.compile warm-up (22 s of a tiny
     # stand-in's dry-run start on a 2-core EPYC), so a GPU recipe's dry run on a CPU node serves eagerly
