@@ -301,7 +301,7 @@ def h100_estimate(shapes, tmp_path, monkeypatch, quick: bool = False) -> dict:
 @pytest.mark.slow
 def test_the_whole_check_fits_a_gpu_window_in_one_command(tmp_path, monkeypatch, capsys):
     """Issue 41: the three commands took 22 to 27 minutes of a 15-minute window. One command now, its work priced
-    from what it runs: 8 minutes at most on an H100 at the 7B shapes (about 6: docs/gpu-check.md)."""
+    from what it runs: 8 minutes at most on an H100 at the 7B shapes (about 6.5: docs/gpu-check.md)."""
     estimate = h100_estimate(SHAPES["real"], tmp_path, monkeypatch)
     print("H100 estimate:", estimate)
     assert estimate["seconds"] <= GPU_WINDOW_SECONDS, estimate

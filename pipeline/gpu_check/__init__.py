@@ -1,6 +1,6 @@
 """``specdraft gpu-check`` (``make gpu-check``): every GPU path of specdraft, checked, and the figures that decide
-whether a small drafter pays on this device, in one command (docs/gpu-check.md: about 6 minutes on an H100 at the
-real shapes, 3.5 with ``--quick``, the machine's start apart).
+whether a small drafter pays on this device, in one command (docs/gpu-check.md: about 6.5 minutes on an H100 at the
+real shapes, 4 with ``--quick``, the machine's start apart).
 
 Parts (``--parts``, default all; a command merges its results into the JSON an earlier one of the same shapes left):
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import statistics
 import tempfile
 from pathlib import Path
 from time import perf_counter
@@ -91,10 +92,12 @@ def measure_costs(ctx) -> dict:
 def measure_engine(ctx) -> dict:
     """Our engine against transformers' assisted generation and plain generate, same models, K=4, T=0 and 1, on
     the last-token pair calibrated to alpha 0.5 and 0.8: tokens/s, tau, measured / predicted speedup, Python
-    overhead per round (round time minus the forwards step_costs predicts for it). One decode per prompt and method,
-    after a warm-up decode as long: after an 8-token one, the method measured first ran 34.7 ms a token on an H200
-    against 18.3 in steady decoding (docs/results/2026-11-28-gpu-check-h200.md: lengths the warm-up never reached,
-    an allocator cache emptied between parts). The target-only decodes (which no alpha changes) once per T."""
+    overhead per round (round time minus the forwards step_costs predicts for it). Paired: each prompt is decoded
+    by every method back to back, target alone included, and a speedup is the median of the prompts' ratios: a
+    7B eager step at batch 1 is host-bound and the host's speed drifts (an H200's target step measured 20 ms and
+    35 ms in one command; target-only decoding measured once per T for all cells gave speedups 1.5x apart between
+    two commands: docs/results/2026-11-28-gpu-check-h200-second.md). Each method warms up first with a decode as
+    long as the measured ones (after an 8-token one, the first method ran 34.7 ms a token against 18.3 steady)."""
     shapes = ctx.shapes
     target_model, drafter, table = pair(ctx)
     target = CachedModel(target_model)
@@ -116,24 +119,30 @@ def measure_engine(ctx) -> dict:
             ctx.device,
         )
 
-    def stats_of(methods: tuple[str, ...], sampling: Sampling) -> dict:
+    def paired(sampling: Sampling) -> tuple[dict, dict]:
+        """Every method's stats, and each method's median over prompts of its speed / the target's on that prompt."""
+        methods = ("target", "hf", "ours", "hf_assisted")
         for method in methods:
             decode(method, sampling, prompts[0], 0, shapes.max_new_tokens)
-        return {
-            method: method_stats(
-                [decode(method, sampling, ids, seed, shapes.max_new_tokens) for seed, ids in enumerate(prompts)]
-            )
+        runs = {method: [] for method in methods}
+        for seed, ids in enumerate(prompts):
+            for method in methods:
+                runs[method].append(decode(method, sampling, ids, seed, shapes.max_new_tokens))
+
+        def rate(g) -> float:
+            return len(g.tokens) / g.seconds
+
+        speedups = {
+            method: statistics.median(rate(g) / rate(base) for g, base in zip(runs[method], runs["target"]))
             for method in methods
         }
+        return {method: method_stats(generations) for method, generations in runs.items()}, speedups
 
-    samplings = {t: Sampling(t) for t in (0.0, 1.0)}
-    baselines = {t: stats_of(("target", "hf"), sampling) for t, sampling in samplings.items()}
     figures = {"costs": {"c": costs["c"], "v_K": costs["v"][K], "target_step_ms": costs["target_step_s"] * 1000}}
     for alpha in ALPHAS:
         calibration = calibrate(target_model, drafter, table, alpha, shapes.vocab, ctx.device)
-        for t, sampling in samplings.items():
-            stats = baselines[t] | stats_of(("ours", "hf_assisted"), sampling)
-            base = stats["target"]["tokens_per_s"]
+        for t in (0.0, 1.0):
+            stats, speedups = paired(Sampling(t))
             ours = stats["ours"]
             rounds = ours["target_calls"]
             predicted = predicted_speedup(ours["alpha"], K, costs["c"], costs["v"][K])
@@ -141,13 +150,13 @@ def measure_engine(ctx) -> dict:
             figures[f"alpha_{alpha}/T{t:g}"] = {
                 "calibration": calibration,
                 "tokens_per_s": {name: round(s["tokens_per_s"], 2) for name, s in stats.items()},
-                "speedup_over_target": {name: round(s["tokens_per_s"] / base, 3) for name, s in stats.items()},
+                "speedup_over_target": {name: round(speedup, 3) for name, speedup in speedups.items()},
                 "tau": round(ours["tau"], 3),
                 "alpha": round(ours["alpha"], 3),
                 "speedup_predicted": round(predicted, 3),
-                "measured_over_predicted": round(ours["tokens_per_s"] / base / predicted, 3),
+                "measured_over_predicted": round(speedups["ours"] / predicted, 3),
                 "python_overhead_ms_per_round": round((ours["seconds"] - forwards) / rounds * 1000, 3),
-                "ours_over_hf_assisted": round(ours["tokens_per_s"] / stats["hf_assisted"]["tokens_per_s"], 3),
+                "ours_over_hf_assisted": round(speedups["ours"] / speedups["hf_assisted"], 3),
             }
     return figures
 
