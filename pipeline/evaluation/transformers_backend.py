@@ -93,7 +93,7 @@ from pipeline.speculative.engine import (
     predicted_speedup,
     top2_gap,
 )
-from pipeline.speculative.metrics import measure, method_stats, speedup, timed
+from pipeline.speculative.metrics import alpha_from_tau, measure, method_stats, speedup, timed
 from pipeline.speculative.router import LanguageRouter
 from pipeline.speculative.sampler import Sampling
 from pipeline.workers import (
@@ -791,8 +791,8 @@ def seed_stats(outputs: dict, variants: list, costs: dict) -> dict:
         stats[name]["speedup"] = speedup(stats[name], stats["target"])
         if "alpha" in stats[name]:
             drafted = method in MODEL_DRAFTED  # a prompt lookup costs next to nothing
-            stats[name]["predicted_speedup"] = predicted_speedup(
-                stats[name]["alpha"],
+            stats[name]["predicted_speedup"] = predicted_speedup(  # from τ: accepted ÷ drafted is not the formula's α
+                alpha_from_tau(stats[name]["tau"], k),
                 k,
                 costs["c"] if drafted else 0.0,
                 costs["v"].get(k, 1.0),
