@@ -22,7 +22,7 @@ from pipeline.speculative.engine import (
     predicted_speedup,
     step_costs,
 )
-from pipeline.speculative.metrics import alpha_from_tau, method_stats, timed
+from pipeline.speculative.metrics import alpha_from_tau, method_stats, speedup, timed
 from pipeline.speculative.sampler import Sampling
 
 ALPHAS = (0.5, 0.8)
@@ -128,12 +128,10 @@ def measure_engine(ctx) -> dict:
         for seed, ids in enumerate(prompts):
             for method in methods:
                 runs[method].append(decode(method, sampling, ids, seed, shapes.max_new_tokens))
-
-        def rate(g) -> float:
-            return len(g.tokens) / g.seconds
-
         speedups = {
-            method: statistics.median(rate(g) / rate(base) for g, base in zip(runs[method], runs["target"]))
+            method: statistics.median(
+                speedup(method_stats([g]), method_stats([base])) for g, base in zip(runs[method], runs["target"])
+            )
             for method in methods
         }
         return {method: method_stats(generations) for method, generations in runs.items()}, speedups
@@ -152,7 +150,7 @@ def measure_engine(ctx) -> dict:
             figures[f"alpha_{alpha}/T{t:g}"] = {
                 "calibration": calibration,
                 "tokens_per_s": {name: round(s["tokens_per_s"], 2) for name, s in stats.items()},
-                "speedup_over_target": {name: round(speedup, 3) for name, speedup in speedups.items()},
+                "speedup_over_target": {name: round(ratio, 3) for name, ratio in speedups.items()},
                 "tau": round(ours["tau"], 3),
                 "alpha": round(ours["alpha"], 3),
                 "speedup_predicted": round(predicted, 3),
