@@ -34,6 +34,7 @@ def result_of(out_dir) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")  # tiny models in this process: faster on one thread, and on make test's workers
 def test_gpu_check_runs_every_part_at_tiny_shapes_and_writes_the_json(tmp_path, capsys):
     assert cli.main(["gpu-check", "--out", str(tmp_path)]) == 0, capsys.readouterr().out
     result = result_of(tmp_path)
@@ -299,6 +300,7 @@ def h100_estimate(shapes, tmp_path, monkeypatch, quick: bool = False) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
 def test_the_whole_check_fits_a_gpu_window_in_one_command(tmp_path, monkeypatch, capsys):
     """Issue 41: the three commands took 22 to 27 minutes of a 15-minute window. One command now, its work priced
     from what it runs: 8 minutes at most on an H100 at the 7B shapes (about 6.5: docs/gpu-check.md)."""

@@ -1,12 +1,15 @@
 """eval.engine=vllm: vLLM's own speculative decoding (draft_model) on the ci target, SmolLM2-135M.
 
-Two slow runs of the stage (two vLLM servers each, one after the other): the target itself as the draft
-model, and a reduced-vocabulary drafter through its export's vLLM form (heterogeneous vocabulary); the
-refusals are fast and must come before any server starts.
+Two slow runs of the stage on SmolLM2: the target itself as the draft model, and a reduced-vocabulary drafter
+through its export's vLLM form (heterogeneous vocabulary). Each starts its own speculative server; their
+target-alone server is the session's (the same launch: tests/conftest.py), one vLLM start fewer each. The
+sliding-window run on Gemma starts both of its servers, as the stage does. The refusals are fast and must come
+before any server starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -210,24 +213,39 @@ def test_greedy_divergence_fails_with_a_clear_margin_and_is_a_tie_without(
     assert not (out / "COMPLETE").exists()
 
 
+@contextlib.contextmanager
+def target_alone_on(session_server):
+    """The stage's target-alone server (no extra arguments) is ``session_server``, left running; its speculative
+    server starts as the stage starts it."""
+    start = vllm_backend.target_server
+
+    def target_server(cfg, folder, log_dir, extra_args=()):
+        return start(cfg, folder, log_dir, extra_args) if extra_args else contextlib.nullcontext(session_server)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(vllm_backend, "target_server", target_server)
+        yield
+
+
 @pytest.fixture(scope="module")
-def self_drafted(smollm_path, tmp_path_factory):
+def self_drafted(smollm_path, vllm_server, tmp_path_factory):
     """The stage once, with the target itself as the draft model: (exit code, stage folder).
 
     In the ci recipe's float32: in bfloat16 the drafter's one-token forwards and the K+1-token verification
     round differently, and a near-tie (top-2 logit gap 0.09) rejected 1 of 60 drafts."""
     runs_dir = tmp_path_factory.mktemp("vllm-eval") / "runs"
-    code = cli.main(
-        args(
-            runs_dir,
-            smollm_path,
-            "eval.temperatures=[0]",
-            f"eval.num_prompts={PROMPTS}",
-            f"eval.max_new_tokens={TOKENS}",
-            f"eval.num_draft_tokens={K}",
-            "eval.warmup=1",
+    with target_alone_on(vllm_server):
+        code = cli.main(
+            args(
+                runs_dir,
+                smollm_path,
+                "eval.temperatures=[0]",
+                f"eval.num_prompts={PROMPTS}",
+                f"eval.max_new_tokens={TOKENS}",
+                f"eval.num_draft_tokens={K}",
+                "eval.warmup=1",
+            )
         )
-    )
     return code, next(runs_dir.glob("**/eval-vllm"))
 
 
@@ -265,7 +283,7 @@ def test_target_as_its_own_drafter_accepts_everything_and_is_lossless(self_draft
 
 
 @pytest.fixture(scope="module")
-def reduced_drafted(smollm_path, tmp_path_factory):
+def reduced_drafted(smollm_path, vllm_server, tmp_path_factory):
     """The stage once on a run whose finetuned drafter is SmolLM2 itself restricted to the ids of the ci held-out
     prompts and SmolLM2's first 4,096, in a shuffled order (drafter id i is not target id i: vLLM's mapping must
     be the map), after its export (export_drafter into the export stage's folder, as `make export` writes it,
@@ -295,17 +313,18 @@ def reduced_drafted(smollm_path, tmp_path_factory):
     assert export.begin(cfg)
     export_drafter(str(export.inputs["finetune"].path / "drafter"), smollm_path, export.path / FOLDER, K)
     export.finish(cfg, {})
-    code = cli.main(
-        [
-            "eval",
-            *base,
-            "eval.engine=vllm",
-            "eval.temperatures=[0]",
-            f"eval.num_prompts={PROMPTS}",
-            f"eval.max_new_tokens={TOKENS}",
-            "eval.warmup=1",
-        ]
-    )
+    with target_alone_on(vllm_server):
+        code = cli.main(
+            [
+                "eval",
+                *base,
+                "eval.engine=vllm",
+                "eval.temperatures=[0]",
+                f"eval.num_prompts={PROMPTS}",
+                f"eval.max_new_tokens={TOKENS}",
+                "eval.warmup=1",
+            ]
+        )
     return code, stage_dir(with_overrides(cfg, ["eval.engine=vllm"]), "eval").path, export.path / FOLDER, vocab
 
 
