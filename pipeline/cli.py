@@ -90,9 +90,10 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (specdraft --help lists the commands)\n")
 
 
-def parser(with_help: bool = True) -> argparse.ArgumentParser:
+def parser(with_help: bool = True, gpu_check_options: bool = True) -> argparse.ArgumentParser:
     """The CLI's parser; ``with_help``: with the help texts of the keys and groups, read from the schemas' source
-    (a third of a second: only when help is asked for)."""
+    (a third of a second: only when help is asked for); ``gpu_check_options``: with gpu-check's own options,
+    which import torch (seconds: only for that command)."""
     common, docs, groups = "", {}, ""
     if with_help:
         from pipeline.config_reference import documented_keys
@@ -128,6 +129,9 @@ def parser(with_help: bool = True) -> argparse.ArgumentParser:
         if name == "list":
             sub = commands.add_parser(name, help=summary, description=summary, parents=[config_dir])
             sub.add_argument("what", nargs="*", metavar="WHAT", help=f"any of {', '.join(LISTS)} (default: all)")
+            continue
+        if name == "gpu-check" and not gpu_check_options:
+            commands.add_parser(name, help=summary, description=summary, parents=[config_dir])
             continue
         if name == "gpu-check":  # its own options, no config overrides
             from pipeline import gpu_check
@@ -186,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         set_config_dir(argv)
-        args = parser(with_help=any(arg in ("-h", "--help") for arg in argv)).parse_args(argv)
+        with_help = any(arg in ("-h", "--help") for arg in argv)
+        args = parser(with_help, gpu_check_options="gpu-check" in argv).parse_args(argv)
         if args.command == "list":
             print_lists(args.what)
             return 0
@@ -209,13 +214,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"-> {report.summarize_pairs(configs, args.started)}")
             else:
                 print(f"-> {report.gather(Path(cfg.paths.runs_dir))}")
+        elif reason := REGISTRY[args.command].unread(cfg):
+            print(f"{args.command}: nothing to do: {reason}")
         else:
-            from pipeline.runner import run_stage  # torch and the stage's libraries: not for --help
+            from pipeline.runner import run_stage  # torch and the stage's libraries: not for --help or nothing to do
 
-            if reason := REGISTRY[args.command].unread(cfg):
-                print(f"{args.command}: nothing to do: {reason}")
-            else:
-                run_stage(args.command, cfg)
+            run_stage(args.command, cfg)
         sys.stdout.flush()
     except BrokenPipeError:  # `specdraft config | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -46,6 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import REPO_ROOT, ConfigError, SourceKind, last_of_each_key
 from pipeline.durable import write_atomic
+from pipeline.errors import StageConflictError, StageInputError
 from pipeline.models.drafter import published_weights
 from pipeline.models.provision import fingerprint, hub_snapshot, is_local, model_fingerprint
 from pipeline.registry import stage as registered
@@ -61,14 +62,6 @@ RESULT_NEUTRAL = {
     f"train.{stage}": ("log_every", "save_every", "resume", "launch", "num_processes")
     for stage in ("pretrain", "finetune")
 } | {"eval": ("processes",)}
-
-
-class StageInputError(RuntimeError):
-    """An input stage has not completed; the message names the make target that produces it."""
-
-
-class StageConflictError(RuntimeError):
-    """The stage directory holds results of a different config."""
 
 
 def git_revision() -> str:

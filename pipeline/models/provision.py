@@ -34,12 +34,9 @@ from filelock import FileLock
 from omegaconf import DictConfig
 
 from pipeline.config import USER_CONFIG_ENV, ModelSource
+from pipeline.errors import ModelNotFoundError
 
 CHECKSUMS = "checksums.json"
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """A model cannot be found or is corrupt; the message names the fix."""
 
 
 class NotPreparedError(FileNotFoundError):

@@ -19,16 +19,14 @@ from pathlib import Path
 
 import torch
 
+from pipeline.errors import TokenizerMismatchError
+
 VOCAB_MAP = "vocab_map.json"
 # A parallel drafter's config (PARD): its mask token (vLLM reads this name) and how many draft positions it
 # learned to propose in one forward. The mask is input only: a full-vocabulary drafter's is a target id its data
 # never uses (vLLM serves a draft model of the target's vocabulary size only), a reduced vocabulary's is N + 1.
 PARD_TOKEN = "pard_token"
 PARD_K = "pard_k"
-
-
-class TokenizerMismatchError(ValueError):
-    """Drafter and target tokenizers differ; drafting with it would be meaningless."""
 
 
 @dataclass

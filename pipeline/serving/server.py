@@ -25,14 +25,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from pipeline.errors import ModelNotFoundError, ServingError
+
 LOG_FILE = "vllm.log"
 INFO_FILE = "server.json"  # pid, process group and port of the running server (no secrets)
 PORT_ATTEMPTS = 3
 STOP_GRACE_S = 20.0
-
-
-class ServingError(RuntimeError):
-    """The inference server could not start or stopped answering; the message is one line."""
 
 
 @dataclass(frozen=True)
@@ -49,8 +47,6 @@ def free_port() -> int:
 
 def check_model_folder(model: str) -> None:
     """Fail before launching vLLM (a minute of start-up) when a local model folder cannot be loaded."""
-    from pipeline.models.provision import ModelNotFoundError  # here: it imports torch, which client processes need not
-
     path = Path(model)
     looks_local = path.is_absolute() or model.startswith(".") or path.exists()
     if looks_local and not (path / "config.json").is_file():
