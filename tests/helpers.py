@@ -4,12 +4,14 @@ run directories and processes some tests set up or read."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
@@ -195,3 +197,20 @@ def run_stage(stage: str, args: list[str]) -> None:
         [sys.executable, "-m", "pipeline", stage, *args], cwd=REPO_ROOT, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@contextlib.contextmanager
+def target_alone_on(session_server):
+    """The vLLM eval's target-alone server (no extra arguments) is ``session_server`` (tests/conftest.py: the ci
+    target in the ci recipe's launch), left running: one vLLM start fewer; its speculative server starts as the
+    stage starts it."""
+    from pipeline.evaluation import vllm_backend
+
+    start = vllm_backend.target_server
+
+    def target_server(cfg, folder, log_dir, extra_args=()):
+        return start(cfg, folder, log_dir, extra_args) if extra_args else contextlib.nullcontext(session_server)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(vllm_backend, "target_server", target_server)
+        yield

@@ -1,6 +1,6 @@
-"""What the stages leave behind when they are killed, preempted or run side by side on one node: no worker
-trains on after a kill -9, SIGTERM ends every stage with exit 75, two DDP jobs do not meet, and a kill -9 in
-the middle of a checkpoint costs nothing but the steps since the last whole one."""
+"""What the stages leave behind when they are killed or preempted: no worker trains on after a kill -9, SIGTERM ends
+every stage with exit 75, and a kill -9 in the middle of a checkpoint costs nothing but the steps since the last
+whole one. Two DDP jobs side by side on one node: tests/test_train_stages.py (the two-process runs there)."""
 
 from __future__ import annotations
 
@@ -124,26 +124,6 @@ def test_sigterm_ends_every_stage_with_exit_75(module, first_call, ci_cfg, tmp_p
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert stopped.value.code == EXIT_PREEMPTED
-
-
-@pytest.mark.slow
-def test_two_ddp_jobs_on_one_node_both_finish(tmp_path, smollm_path):
-    """Two 2-process gloo groups at once: each rendezvous on a port of its own, not one fixed port."""
-    runs = {name: overrides(tmp_path / name, *TWO_PROCESSES, "train.pretrain.max_steps=6") for name in ("a", "b")}
-    logs = {name: (tmp_path / f"{name}.log").open("w+") for name in runs}
-    stages = {name: start_stage("pretrain", args, logs[name]) for name, args in runs.items()}
-    try:
-        codes = {name: stage.wait(timeout=600) for name, stage in stages.items()}
-    finally:
-        for stage in stages.values():
-            if stage.poll() is None:
-                os.killpg(stage.pid, signal.SIGKILL)
-    output = {name: (log.seek(0), log.read())[1][-3000:] for name, log in logs.items()}
-    # a string, not the dict: pytest shortens a dict's repr to its first and last characters, the traceback lost
-    assert codes == {"a": 0, "b": 0}, "\n".join(f"--- job {name}:\n{text}" for name, text in output.items())
-    for name, args in runs.items():
-        path = stage_dir(compose_config(args), "pretrain").path
-        assert (path / MARKER).exists() and sorted(read_metrics(path)) == list(range(1, 7)), output[name]
 
 
 def last_saved_step(stage_path) -> int:

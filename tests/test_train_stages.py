@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import stat
@@ -27,7 +28,7 @@ from pipeline.training.data import Collator, TokenStrings, finetune_examples, re
 from pipeline.training.launch import read_metrics
 from pipeline.training.loop import latest_checkpoint
 from pipeline.workers import EXIT_PREEMPTED
-from tests.helpers import run_stage, start_stage
+from tests.helpers import run_stage, start_stage, target_alone_on
 
 pytestmark = pytest.mark.slow
 
@@ -108,11 +109,39 @@ def copy_shared_segments(runs_dir) -> None:
 
 
 @pytest.fixture(scope="session")
-def two_processes(tmp_path_factory, smollm_path):
-    """One uninterrupted 2-process ci pretrain (accelerate launch, gloo), logging every step."""
-    runs_dir = tmp_path_factory.mktemp("two-processes")
-    assert cli(["pretrain", *overrides(runs_dir, *PRETRAIN, *TWO_PROCESSES)]) == 0
+def two_ddp_jobs(tmp_path_factory, smollm_path):
+    """Two uninterrupted 2-process ci pretrains (accelerate launch, gloo), logging every step, started at once on
+    this node as two users' jobs would be: {job: (runs dir, exit code, output)}. Job "a" is ``two_processes``."""
+    root = tmp_path_factory.mktemp("two-ddp-jobs")
+    logs = {name: (root / f"{name}.log").open("w+") for name in ("a", "b")}
+    stages = {
+        name: start_stage("pretrain", overrides(root / name, *PRETRAIN, *TWO_PROCESSES), logs[name]) for name in logs
+    }
+    try:
+        codes = {name: stage.wait(timeout=600) for name, stage in stages.items()}
+    finally:
+        for stage in stages.values():
+            if stage.poll() is None:
+                os.killpg(stage.pid, signal.SIGKILL)
+    return {name: (root / name, codes[name], (log.seek(0), log.read())[1][-3000:]) for name, log in logs.items()}
+
+
+@pytest.fixture(scope="session")
+def two_processes(two_ddp_jobs):
+    """One uninterrupted 2-process ci pretrain (accelerate launch, gloo), logging every step: its runs dir."""
+    runs_dir, code, output = two_ddp_jobs["a"]
+    assert code == 0, output
     return runs_dir
+
+
+def test_two_ddp_jobs_on_one_node_both_finish(two_ddp_jobs):
+    """Two 2-process gloo groups at once: each rendezvous on a port of its own, not one fixed port."""
+    codes = {name: code for name, (_, code, _) in two_ddp_jobs.items()}
+    # a string, not the dict: pytest shortens a dict's repr to its first and last characters, the traceback lost
+    assert codes == {"a": 0, "b": 0}, "\n".join(f"--- job {name}:\n{job[2]}" for name, job in two_ddp_jobs.items())
+    for runs_dir, _, output in two_ddp_jobs.values():
+        path = stage_dir(compose_config(overrides(runs_dir, *PRETRAIN, *TWO_PROCESSES)), "pretrain").path
+        assert (path / MARKER).exists() and sorted(read_metrics(path)) == list(range(1, 21)), output
 
 
 @pytest.fixture(scope="session")
@@ -559,12 +588,19 @@ def test_packed_finetune_trains_on_the_same_examples(distilled):
     assert curve == pytest.approx(unpacked, rel=1e-3)  # the same examples per step, rows packed
 
 
-def test_finetune_with_on_policy_alignment_after_sft(distilled):
+@pytest.fixture(scope="session")
+def on_policy_finetuned(distilled) -> list[str]:
+    """An uninterrupted finetune with the on-policy phase, in a process of its own (run_stage): its overrides.
+    run=on-policy: the session's plain finetune of the same prompts lives beside it."""
+    args = overrides(distilled, "run=on-policy", *ON_POLICY)
+    run_stage("finetune", args)
+    return args
+
+
+def test_finetune_with_on_policy_alignment_after_sft(distilled, on_policy_finetuned):
     """The phase inside the stage on the ci recipe (full-vocabulary drafter): SFT, then rounds of drafter
     rollouts scored by the SmolLM2 target, each checkpointed and logged with the held-out estimate."""
-    # run=on-policy: the session's plain finetune of the same prompts lives beside it
-    args = overrides(distilled, "run=on-policy", *ON_POLICY)
-    run_stage("finetune", args)  # the uninterrupted run the preempted one is compared with, below
+    args = on_policy_finetuned
     path = stage_dir(compose_config(args), "finetune").path
     counts = json.loads((path / "manifest.json").read_text())["counts"]
     assert counts["records"] == 12 and counts["steps"] == 20  # 2 of the 8 prompts held out of both phases
@@ -580,11 +616,12 @@ def test_finetune_with_on_policy_alignment_after_sft(distilled):
     )  # the phase is part of the result
 
 
-def test_finetune_preempted_in_the_on_policy_phase_resumes_to_the_uninterrupted_run(distilled, tmp_path):
+def test_finetune_preempted_in_the_on_policy_phase_resumes_to_the_uninterrupted_run(
+    distilled, on_policy_finetuned, tmp_path
+):
     """SIGTERM (as Slurm preempts) inside the phase, after SFT's 20 steps; the stage run again continues from
     the phase's checkpoint to the same losses and the same drafter as a run never stopped."""
-    reference_args = overrides(distilled, "run=on-policy", *ON_POLICY)
-    run_stage("finetune", reference_args)  # uninterrupted (made already if the test above ran)
+    reference_args = on_policy_finetuned
     args = overrides(distilled, "run=on-policy-preempted", *ON_POLICY)
     path, _, _ = preempt_stage("finetune", args, tmp_path, steps=22, stops_before=26)
     run_stage("finetune", args)
@@ -703,9 +740,10 @@ def test_head_finetunes_on_the_pair_and_the_eval_drafts_with_it_losslessly(head_
         assert head["tau"] >= 1 and len(head["acceptance_per_position"]) == 4, head
 
 
-def test_vllm_serves_the_exported_head_with_the_targets_own_greedy_outputs(head_finetuned):
+def test_vllm_serves_the_exported_head_with_the_targets_own_greedy_outputs(head_finetuned, vllm_server):
     """The export in vLLM's EAGLE-3 format, served by vLLM's eagle3 method beside the ci target (SmolLM2, a Llama):
-    its greedy outputs are the target server's, and it accepts the drafts our engine accepts (same layers)."""
+    its greedy outputs are the target server's (the session's: target_alone_on), and it accepts the drafts our
+    engine accepts (same layers)."""
     assert cli(["export", *head_finetuned]) == 0
     folder = stage_dir(compose_config(head_finetuned), "export").path / "drafter"
     vocab = VocabMap.load(stage_dir(compose_config(head_finetuned), "finetune").path / "drafter")
@@ -721,7 +759,8 @@ def test_vllm_serves_the_exported_head_with_the_targets_own_greedy_outputs(head_
         "single_kv_group": False,
     }
     served = [*head_finetuned, "eval.engine=vllm", f"eval.drafter_path={folder}", "eval.temperatures=[0]"]
-    assert cli(["eval", *served]) == 0  # the ci recipe serves float32: exact greedy outputs
+    with target_alone_on(vllm_server):
+        assert cli(["eval", *served]) == 0  # the ci recipe serves float32: exact greedy outputs
     metrics = eval_metrics(served)
     assert metrics["lossless"]["exact"] == metrics["lossless"]["outputs_checked"] == 3, metrics["lossless"]
     report = (stage_dir(compose_config(served), "eval").path / "report.md").read_text()

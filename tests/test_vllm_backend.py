@@ -9,7 +9,6 @@ before any server starts.
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import pytest
@@ -25,6 +24,7 @@ from pipeline.models.drafter import init_drafter, save_drafter
 from pipeline.models.export import VLLM_DIR, export_drafter
 from pipeline.models.vocab import VocabMap
 from pipeline.rundir import stage_dir
+from tests.helpers import target_alone_on
 
 K, PROMPTS, TOKENS = 4, 3, 24
 SMOLLM_VOCAB = 49152
@@ -211,20 +211,6 @@ def test_greedy_divergence_fails_with_a_clear_margin_and_is_a_tie_without(
     assert (spec["alpha"], spec["tau"], spec["speedup"]) == (0.5, 3.0, 1.0)
     assert len((out / "samples.jsonl").read_text().splitlines()) == 2 and (out / "report.md").exists()
     assert not (out / "COMPLETE").exists()
-
-
-@contextlib.contextmanager
-def target_alone_on(session_server):
-    """The stage's target-alone server (no extra arguments) is ``session_server``, left running; its speculative
-    server starts as the stage starts it."""
-    start = vllm_backend.target_server
-
-    def target_server(cfg, folder, log_dir, extra_args=()):
-        return start(cfg, folder, log_dir, extra_args) if extra_args else contextlib.nullcontext(session_server)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(vllm_backend, "target_server", target_server)
-        yield
 
 
 @pytest.fixture(scope="module")
