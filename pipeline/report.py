@@ -14,8 +14,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from pipeline.errors import StageInputError
 from pipeline.evaluation.choices import check_ks
-from pipeline.rundir import MARKER, VLLM_EVAL, StageInputError, make_command, stage_dir
+from pipeline.rundir import MARKER, VLLM_EVAL, make_command, stage_dir
 from pipeline.speculative.costs import cost_line
 
 METHOD_NAMES = {

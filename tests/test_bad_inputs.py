@@ -16,8 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from pipeline import cli
 from pipeline.config import USER_CONFIG_ENV, ConfigError, TrainConfig, compose_config
 from pipeline.data.sources import load_sources
+from pipeline.errors import ModelNotFoundError
 from pipeline.jsonl import CorruptLineError, read_jsonl
-from pipeline.models.provision import ModelNotFoundError
 from pipeline.stages.distill import load_records
 from pipeline.training import loop
 from pipeline.training.data import Collator, read_records

@@ -25,11 +25,12 @@ import pytest
 from pipeline.cli import main
 from pipeline.config import REPO_ROOT, compose_config
 from pipeline.data.sources import load_sources
+from pipeline.errors import ServingError, StageInputError
 from pipeline.jsonl import AppendOnlyJsonl, BackgroundJsonl, read_jsonl
 from pipeline.models.provision import load_tokenizer
 from pipeline.prompts import build_prompt
-from pipeline.rundir import StageInputError, stage_dir
-from pipeline.serving.server import INFO_FILE, ServingError
+from pipeline.rundir import stage_dir
+from pipeline.serving.server import INFO_FILE
 from pipeline.stages.distill import FanOut, fan_out, load_records, request_seed, shard_of
 from tests.helpers import command_lines
 

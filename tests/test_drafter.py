@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from pipeline.config import ConfigError, compose_config
+from pipeline.errors import TokenizerMismatchError
 from pipeline.models.drafter import (
     build_drafter,
     check_drafter,
@@ -17,7 +18,7 @@ from pipeline.models.drafter import (
     specialize_vocab,
 )
 from pipeline.models.provision import load_model, load_tokenizer
-from pipeline.models.vocab import TokenizerMismatchError, VocabMap
+from pipeline.models.vocab import VocabMap
 
 
 def parameters(drafter_name: str, target_vocab: int, tmp_path) -> float:

@@ -21,6 +21,7 @@ from transformers import (
 
 from pipeline import cli
 from pipeline.config import REPO_ROOT, compose_config
+from pipeline.errors import TokenizerMismatchError
 from pipeline.models.drafter import load_drafter, save_drafter
 from pipeline.models.export import (
     VLLM_DIR,
@@ -32,7 +33,7 @@ from pipeline.models.export import (
     sliding_window_target,
     vllm_mapping_problem,
 )
-from pipeline.models.vocab import TokenizerMismatchError, VocabMap
+from pipeline.models.vocab import VocabMap
 from pipeline.rundir import stage_dir
 from tests.helpers import finished_finetune, llama, reduced_copy, tiny_gemma3
 

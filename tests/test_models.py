@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from pipeline.config import compose_config
-from pipeline.models.provision import CHECKSUMS, ModelNotFoundError, load_model, load_tokenizer, verify_checksums
+from pipeline.errors import ModelNotFoundError
+from pipeline.models.provision import CHECKSUMS, load_model, load_tokenizer, verify_checksums
 from pipeline.prompts import build_prompt
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeline.config import REPO_ROOT, ConfigError, compose_config, with_overrides
-from pipeline.rundir import MARKER, StageConflictError, StageInputError, config_hash, make_command, stage_dir
+from pipeline.errors import StageConflictError, StageInputError
+from pipeline.rundir import MARKER, config_hash, make_command, stage_dir
 
 
 def test_paths_are_deterministic_and_follow_the_contract(ci_cfg, runs_dir):

@@ -11,10 +11,10 @@ import pytest
 
 from pipeline import device as devices
 from pipeline.config import REPO_ROOT, compose_config
-from pipeline.models.provision import ModelNotFoundError
+from pipeline.errors import ModelNotFoundError, ServingError
 from pipeline.serving.client import TargetClient, failure_cause, is_transient
 from pipeline.serving.relay import ClientProcesses
-from pipeline.serving.server import ServingError, VLLMServer, data_parallel_size, served_dtype, target_server
+from pipeline.serving.server import VLLMServer, data_parallel_size, served_dtype, target_server
 from pipeline.stages.distill import fan_out
 from tests.helpers import command_lines
 

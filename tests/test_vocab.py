@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from pipeline.models.vocab import TokenizerMismatchError, VocabMap, check_tokenizers
+from pipeline.errors import TokenizerMismatchError
+from pipeline.models.vocab import VocabMap, check_tokenizers
 
 
 def test_most_frequent_keeps_special_ids_and_round_trips(tmp_path):

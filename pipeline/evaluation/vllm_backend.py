@@ -53,6 +53,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from pipeline.config import ConfigError
 from pipeline.device import resolve_device
+from pipeline.errors import ServingError, StageInputError, TokenizerMismatchError
 from pipeline.evaluation.gate import GreedyGate, tie_tolerance
 from pipeline.evaluation.heldout import eval_pairs, heldout_prompts
 from pipeline.evaluation.results import SUMMARY_KEYS, environment, summarize, write_results
@@ -72,11 +73,11 @@ from pipeline.models.export import (
     vllm_mapping_problem,
 )
 from pipeline.models.provision import load_tokenizer, model_path
-from pipeline.models.vocab import TokenizerMismatchError, VocabMap, check_tokenizers
+from pipeline.models.vocab import VocabMap, check_tokenizers
 from pipeline.prompts import prompt_ids, stop_strings, stop_token_ids
 from pipeline.report import greedy_gate_line
-from pipeline.rundir import StageInputError, make_command, stage_dir
-from pipeline.serving.server import ServingError, VLLMServer, served_dtype, target_server
+from pipeline.rundir import make_command, stage_dir
+from pipeline.serving.server import VLLMServer, served_dtype, target_server
 from pipeline.speculative.engine import Generation
 from pipeline.speculative.metrics import measure, method_stats, speedup
 

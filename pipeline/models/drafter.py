@@ -25,9 +25,10 @@ from omegaconf import DictConfig
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from pipeline.config import EAGLE3, ConfigError, ModelSource
+from pipeline.errors import TokenizerMismatchError
 from pipeline.models.eagle3 import Eagle3Head, new_head
 from pipeline.models.modeling_specdraft import SpecdraftDrafterConfig
-from pipeline.models.vocab import PARD_K, PARD_TOKEN, TokenizerMismatchError, VocabMap, check_tokenizers
+from pipeline.models.vocab import PARD_K, PARD_TOKEN, VocabMap, check_tokenizers
 
 
 def reduced_vocab(drafter: DictConfig, counts: torch.Tensor, tokenizer) -> VocabMap | None:

@@ -26,7 +26,8 @@ try:  # the HTTP library under openai: its fork httpx2 from openai 3, httpx befo
 except ImportError:
     import httpx as http
 
-from pipeline.serving.server import Endpoint, ServingError
+from pipeline.errors import ServingError
+from pipeline.serving.server import Endpoint
 
 # Requests one process keeps in flight at most. Its CPU time per request grows with its connections (httpcore's
 # pool looks at each of them for every request): 3.0 ms at 32, 4.4 ms at 256, 10.1 ms at 1,024 (a shared 2-core

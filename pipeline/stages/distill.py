@@ -48,10 +48,11 @@ from tqdm import tqdm
 from pipeline.data import back_translation
 from pipeline.data.sources import Example, load_sources
 from pipeline.durable import write_atomic
+from pipeline.errors import ServingError, StageConflictError
 from pipeline.jsonl import BackgroundJsonl, read_jsonl
 from pipeline.models.provision import load_tokenizer, model_fingerprint, model_path
 from pipeline.prompts import build_prompt, prompt_ids, stop_strings, stop_token_ids
-from pipeline.rundir import StageConflictError, StageDir, make_command, shard_args
+from pipeline.rundir import StageDir, make_command, shard_args
 from pipeline.serving.client import (
     FD_RESERVE,
     TargetClient,
@@ -63,7 +64,6 @@ from pipeline.serving.client import (
 from pipeline.serving.relay import ClientProcesses
 from pipeline.serving.server import (
     Endpoint,
-    ServingError,
     VLLMServer,
     check_model_folder,
     data_parallel_size,

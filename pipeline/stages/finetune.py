@@ -25,10 +25,11 @@ from omegaconf import DictConfig
 from transformers import AutoConfig
 
 from pipeline.config import FinetuneMode, Loss
+from pipeline.errors import StageInputError
 from pipeline.evaluation.heldout import stop_condition
 from pipeline.models.drafter import build_drafter, check_drafter, load_drafter, reduced_vocab, specialize_vocab
 from pipeline.models.provision import fingerprint, load_model, load_tokenizer, model_path
-from pipeline.rundir import StageDir, StageInputError, make_command
+from pipeline.rundir import StageDir, make_command
 from pipeline.tracking import Tracker
 from pipeline.training import loop, on_policy
 from pipeline.training.data import (

@@ -50,15 +50,16 @@ from omegaconf import DictConfig
 from pipeline.config import ConfigError, ServeMethod
 from pipeline.device import resolve_device
 from pipeline.durable import write_atomic
+from pipeline.errors import ServingError, StageInputError
 from pipeline.evaluation.heldout import heldout_prompts
 from pipeline.evaluation.results import environment
 from pipeline.jsonl import write_jsonl
 from pipeline.models.export import SINGLE_KV_GROUP
 from pipeline.models.provision import load_tokenizer, model_path
 from pipeline.prompts import prompt_ids, stop_strings, stop_token_ids
-from pipeline.rundir import StageDir, StageInputError, make_command
+from pipeline.rundir import StageDir, make_command
 from pipeline.serving.client import TargetClient
-from pipeline.serving.server import ServingError, VLLMServer, target_server
+from pipeline.serving.server import VLLMServer, target_server
 from pipeline.tracking import Tracker
 
 matplotlib.use("Agg")

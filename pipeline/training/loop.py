@@ -42,9 +42,9 @@ from transformers import get_cosine_schedule_with_warmup
 from pipeline.config import ConfigError, Loss
 from pipeline.device import autocast_precision, cpu_model
 from pipeline.durable import DiskFullError, fsync_tree, no_room_line, out_of_room, write_atomic
+from pipeline.errors import ModelNotFoundError
 from pipeline.models.drafter import make_parallel, save_drafter
 from pipeline.models.eagle3 import Eagle3Head
-from pipeline.models.provision import ModelNotFoundError
 from pipeline.models.vocab import PARD_TOKEN, VocabMap
 from pipeline.prompts import IGNORE
 from pipeline.training import eagle3, parallel_draft
