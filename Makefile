@@ -100,9 +100,8 @@ lint-fix: install ## ruff: fix what it can and format the code
 # Two xdist workers for the fast tier (but the session vLLM server's tests) and the statistical decoding tests, then
 # one process for the end-to-end tests: 2 workers for everything took CI from 44 to 58 min on 2 cores and broke tests
 # that run servers and a Slurm cluster beside another (docs/design.md, "Tests"). Both parts run; either failing fails.
-test: install ## all tests: fast unit tests and the slow end-to-end tests
-	@status=0; $(PY) -m pytest -q -n 2 --dist loadgroup -m parallel || status=$$?; \
-	$(PY) -m pytest -q -m "not parallel" || status=$$?; exit $$status
+test: install ## all tests: fast unit tests and the slow end-to-end tests, on two workers (tests/conftest.py)
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 test-fast: install ## only the fast unit tests (~4 min on 2 cores, TEST_WORKERS=2; make test adds the end-to-end and paper dry runs)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not paper"

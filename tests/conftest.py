@@ -26,24 +26,46 @@ if "MKL_CBWR" not in os.environ or os.environ.get(SET_HERE):
     os.environ["MKL_CBWR"], os.environ[SET_HERE] = "COMPATIBLE", "1"
 
 
+# make test runs every test on two xdist workers, two tests at once on two cores: one OpenMP thread in each worker
+# and every process it starts. With each process's default two threads, four or more shared two cores and OpenMP's
+# hand-offs waited on descheduled threads (two workers for everything took 57:39 against 44 min in one process, on the
+# 2-core Xeon); with one, four end-to-end tests ran in 366 s on two workers against 406 s of the same tests' calls one
+# after another (docs/results/2026-11-28-ci-time.md).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
 def end_to_end(item: pytest.Item) -> bool:
-    """A slow or paper test: the stages on real models, servers, clusters (both cores, one process in make test)."""
+    """A slow or paper test: the stages on real models, servers, clusters."""
     return bool(item.get_closest_marker("slow") or item.get_closest_marker("paper"))
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m selects on the marks added here
+# Session fixtures that run stages: the tests sharing one share a worker, which runs it once.
+SHARED_RUNS = {"pretrained": "pretrained", "two_ddp_jobs": "pretrained", "ci_drafter": "ci_drafter"}
+SHARED_RUNS |= {"uninterrupted": "uninterrupted"}
+
+
+def worker_group(item: pytest.Item) -> str | None:
+    """The xdist group of a test. On one worker: the tests of the session's vLLM server (started once), those that
+    start servers of their own (``starts_vllm``; ~5 GB each: two workers' at once would not fit in 24 GiB beside the
+    session's), test_slurm's cluster (fixed ports; its chain distills through vLLM), and the EAGLE-3 head's stages
+    (one of their tests serves the head in vLLM)."""
+    names = set(item.fixturenames)  # with the fixtures' own fixtures
+    if item.get_closest_marker("starts_vllm") or names & {"vllm_server", "head_pretrained"}:
+        return "vllm"
+    return next((group for fixture, group in SHARED_RUNS.items() if fixture in names), None)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    """Under ``pytest -n N --dist loadgroup`` (make test-fast), tests that share one costly thing run on one
-    worker: the session's vLLM server (started once, ~5 GB) and test_slurm's one-node cluster (fixed ports).
-    ``parallel``: what make test runs on two workers first: the fast tier but the session server's tests, and the slow
-    tests of one torch thread (the statistical ones); the other slow and paper tests run after them in one process."""
+    """Groups for ``--dist loadgroup`` (worker_group), and the end-to-end tests first: the workers share the long ones
+    and end on short ones (xdist hands out the largest groups first, then the rest in this order)."""
     for item in items:
-        if "vllm_server" in item.fixturenames:
-            item.add_marker(pytest.mark.xdist_group("vllm_server"))
-        elif item.module.__name__.endswith("test_slurm"):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
-        if "one_thread" in item.fixturenames or not (end_to_end(item) or "vllm_server" in item.fixturenames):
-            item.add_marker(pytest.mark.parallel)
+        group = worker_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: not end_to_end(item))
 
 
 REAL_MODELS = {"smollm_path", "gemma_path"}  # fixtures of the real (135M, 270M) models

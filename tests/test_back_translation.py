@@ -10,6 +10,8 @@ from pipeline.data.sources import Example, text_id
 from pipeline.models.provision import load_tokenizer
 from pipeline.prompts import build_prompt, chat_messages
 
+pytestmark = pytest.mark.starts_vllm
+
 GERMAN = "Das Wetter ist heute sehr schön, deshalb gehen wir im Park spazieren."
 
 

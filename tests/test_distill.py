@@ -34,6 +34,8 @@ from pipeline.serving.server import INFO_FILE
 from pipeline.stages.distill import FanOut, fan_out, load_records, request_seed, shard_of
 from tests.helpers import command_lines
 
+pytestmark = pytest.mark.starts_vllm
+
 CACHE = REPO_ROOT / "runs" / "cache"
 FIELDS = {
     "id",

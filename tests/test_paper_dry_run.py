@@ -29,7 +29,7 @@ from pipeline.rundir import stage_dir
 from pipeline.serving.server import served_dtype
 from pipeline.training.data import read_records, record_example
 
-pytestmark = pytest.mark.paper
+pytestmark = [pytest.mark.paper, pytest.mark.starts_vllm]
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,8 @@ from pipeline.stages import serve_bench
 from pipeline.stages.export import vllm_form
 from tests.helpers import finished_finetune, start_stage
 
+pytestmark = pytest.mark.starts_vllm
+
 K = 2
 
 

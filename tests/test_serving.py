@@ -18,6 +18,8 @@ from pipeline.serving.server import VLLMServer, data_parallel_size, served_dtype
 from pipeline.stages.distill import fan_out
 from tests.helpers import command_lines
 
+pytestmark = pytest.mark.starts_vllm
+
 CACHE = REPO_ROOT / "runs" / "cache"
 
 

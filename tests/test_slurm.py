@@ -21,7 +21,7 @@ from pipeline.config import REPO_ROOT, compose_config
 from pipeline.registry import PIPELINE
 from pipeline.rundir import MANIFEST, stage_dir
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.starts_vllm]
 SLURM_DIR = REPO_ROOT / "slurm"
 SUBMIT = str(SLURM_DIR / "submit.sh")
 CHAIN_TIMEOUT_S = 1800  # a safety net for a loaded machine, not a speed goal

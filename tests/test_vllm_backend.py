@@ -26,6 +26,8 @@ from pipeline.models.vocab import VocabMap
 from pipeline.rundir import stage_dir
 from tests.helpers import target_alone_on
 
+pytestmark = pytest.mark.starts_vllm
+
 K, PROMPTS, TOKENS = 4, 3, 24
 SMOLLM_VOCAB = 49152
 
