@@ -29,8 +29,7 @@ if "MKL_CBWR" not in os.environ or os.environ.get(SET_HERE):
 # make test runs every test on two xdist workers, two tests at once on two cores: one OpenMP thread in each worker
 # and every process it starts. With each process's default two threads, four or more shared two cores and OpenMP's
 # hand-offs waited on descheduled threads (two workers for everything took 57:39 against 44 min in one process, on the
-# 2-core Xeon); with one, four end-to-end tests ran in 366 s on two workers against 406 s of the same tests' calls one
-# after another (docs/results/2026-11-28-ci-time.md).
+# 2-core Xeon); docs/results/2026-11-28-ci-time.md has the run with one.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -75,7 +74,7 @@ REAL_MODELS = {"smollm_path", "gemma_path"}  # fixtures of the real (135M, 270M)
 def one_thread():
     """One torch thread in pytest's process: tiny models decode and train several times faster on one thread than on
     two cores (OpenMP's hand-offs per op outweigh their arithmetic: 13x on a loaded 2-core EPYC). Processes a test
-    starts are unaffected."""
+    starts keep their threads, but on make test's workers (above)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
