@@ -103,7 +103,7 @@ lint-fix: install ## ruff: fix what it can and format the code
 test: install ## all tests: fast unit tests and the slow end-to-end tests, on two workers (tests/conftest.py)
 	$(PY) -m pytest -q -n 2 --dist loadgroup
 
-test-fast: install ## only the fast unit tests (~4 min on 2 cores, TEST_WORKERS=2; make test adds the end-to-end and paper dry runs)
+test-fast: install ## only the fast unit tests (~7 min on 2 cores, TEST_WORKERS=2; make test adds the end-to-end and paper dry runs)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not paper"
 
 config: install ## print the composed config
