@@ -41,8 +41,12 @@ def end_to_end(item: pytest.Item) -> bool:
 
 
 # Session fixtures that run stages: the tests sharing one share a worker, which runs it once.
-SHARED_RUNS = {"pretrained": "pretrained", "two_ddp_jobs": "pretrained", "ci_drafter": "ci_drafter"}
-SHARED_RUNS |= {"uninterrupted": "uninterrupted"}
+SHARED_RUNS = {
+    "pretrained": "pretrained",
+    "two_ddp_jobs": "pretrained",  # one of its tests compares with `pretrained`'s run
+    "ci_drafter": "ci_drafter",
+    "uninterrupted": "uninterrupted",
+}
 
 
 def worker_group(item: pytest.Item) -> str | None:
