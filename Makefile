@@ -97,9 +97,8 @@ lint-fix: install ## ruff: fix what it can and format the code
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# Two xdist workers for the fast tier (but the session vLLM server's tests) and the statistical decoding tests, then
-# one process for the end-to-end tests: 2 workers for everything took CI from 44 to 58 min on 2 cores and broke tests
-# that run servers and a Slurm cluster beside another (docs/design.md, "Tests"). Both parts run; either failing fails.
+# Two xdist workers for every test, one OpenMP thread per process; tests/conftest.py keeps the tests of vLLM servers
+# and the Slurm cluster on one worker (docs/design.md, "Tests").
 test: install ## all tests: fast unit tests and the slow end-to-end tests, on two workers (tests/conftest.py)
 	$(PY) -m pytest -q -n 2 --dist loadgroup
 
