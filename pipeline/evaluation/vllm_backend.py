@@ -65,7 +65,7 @@ from pipeline.models.export import (
     SINGLE_KV_GROUP,
     VLLM_DIR,
     draft_model_spec,
-    eagle3_problem,
+    eagle3_serving,
     eagle3_spec,
     exported_vocab,
     is_head_export,
@@ -94,9 +94,10 @@ CPU_GREEDY_ONLY = (
 )
 
 
-def check(cfg: DictConfig, directory, target_path: str, drafter_path: str) -> dict:
+def check(cfg: DictConfig, directory, target_path: str, drafter_path: str) -> tuple[dict, list[str]]:
     """Every refusal before a server starts (T>0 on CPU, a missing folder, another tokenizer, a reduced
-    vocabulary without its export); returns the speculative_config that serves the drafter."""
+    vocabulary without its export); returns the speculative_config that serves the drafter, and the arguments both
+    servers run the target with (the Transformers backend, beside a head vLLM's own model cannot feed)."""
     if not torch.cuda.is_available() and any(t > 0 for t in cfg.eval.temperatures):
         raise ConfigError(CPU_GREEDY_ONLY)
     if not Path(drafter_path).is_dir():
@@ -104,9 +105,11 @@ def check(cfg: DictConfig, directory, target_path: str, drafter_path: str) -> di
     k = cfg.eval.num_draft_tokens
     if is_head_export(drafter_path):  # an exported EAGLE-3 head: vLLM's own method
         check_tokenizers(AutoTokenizer.from_pretrained(drafter_path), load_tokenizer(target_path), "the exported head")
-        if (problem := eagle3_problem(target_path)) is not None:
+        layer_ids = AutoConfig.from_pretrained(drafter_path).eagle_aux_hidden_state_layer_ids
+        target_args, problem = eagle3_serving(target_path, layer_ids)
+        if problem is not None:
             raise ConfigError(f"eval.engine=vllm cannot serve the EAGLE-3 head {drafter_path}: {problem}")
-        return eagle3_spec(drafter_path, k)
+        return eagle3_spec(drafter_path, k), target_args
     # config.json read as it is: an export's config is remote code, which AutoConfig would ask about interactively
     config = Path(drafter_path) / "config.json"
     if config.is_file() and json.loads(config.read_text()).get("model_type") == HEAD_MODEL_TYPE:
@@ -129,12 +132,12 @@ def check(cfg: DictConfig, directory, target_path: str, drafter_path: str) -> di
     else:
         vocab = check_drafter(drafter_path, target_path)  # the tokenizer gate, without loading weights
         if vocab is None:
-            return draft_model_spec(drafter_path, k, heterogeneous=False)
+            return draft_model_spec(drafter_path, k, heterogeneous=False), []
         export = finetune_export(cfg, directory, drafter_path, vocab)
     problem = vllm_mapping_problem(target_path, export, vocab)
     if problem is not None:
         raise TokenizerMismatchError(f"eval.engine=vllm cannot run {export / VLLM_DIR}: {problem}")
-    return draft_model_spec((export / VLLM_DIR).resolve(), k, heterogeneous=True)
+    return draft_model_spec((export / VLLM_DIR).resolve(), k, heterogeneous=True), []
 
 
 def finetune_export(cfg: DictConfig, directory, drafter_path: str, vocab: VocabMap) -> Path:
@@ -294,7 +297,7 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
     ev = cfg.eval
     target_path = model_path(cfg.target, cfg.paths.models_dir)
     drafter_path = str(Path(ev.drafter_path or directory.inputs["finetune"].path / "drafter").resolve())
-    spec = check(cfg, directory, target_path, drafter_path)
+    spec, target_args = check(cfg, directory, target_path, drafter_path)
     tokenizer = load_tokenizer(target_path)
     prompts = {
         pair: [(ex, text, prompt_ids(text, tokenizer)) for ex, text in heldout_prompts(cfg, pair, tokenizer)]
@@ -316,9 +319,10 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
         json.dumps(spec),
         *([SINGLE_KV_GROUP] if sliding_window_target(target_path) else []),
     ]
+    # both servers run the target alike, so that the greedy gate compares one implementation
     for method, extra_args in zip(METHODS, ([], spec_args)):
         print(f"eval (vllm): starting the {method} server", flush=True)
-        with target_server(cfg, target_path, directory.path / method, extra_args) as server:
+        with target_server(cfg, target_path, directory.path / method, [*target_args, *extra_args]) as server:
             version = request(server, "/version")["version"]
             measured[method] = decode_all(server, cfg, prompts, blocks, stop_token_ids(cfg.target, tokenizer))
             if method == "vllm_speculative":  # while a server holds the target: the gaps where outputs diverge
@@ -376,6 +380,7 @@ def run(cfg: DictConfig, directory, tracker) -> dict:
         "drafter": drafter_path,
         "speculative_config": spec,
         "speculative_server_args": spec_args,
+        "target_server_args": target_args,
         "trained_on": cfg.lang.pair,
         "K": ev.num_draft_tokens,
         "max_new_tokens": ev.max_new_tokens,
@@ -418,11 +423,13 @@ def check_greedy(
 def report(metrics: dict) -> str:
     env, spec = metrics["environment"], metrics["speculative_config"]
     served = (
-        f", heterogeneous vocabulary: its export's `{spec['model']}`" if spec.get("use_heterogeneous_vocab") else ""
-    ) + (
-        f"; speculative server with `{SINGLE_KV_GROUP}`"
-        if SINGLE_KV_GROUP in metrics["speculative_server_args"]
-        else ""
+        (f", heterogeneous vocabulary: its export's `{spec['model']}`" if spec.get("use_heterogeneous_vocab") else "")
+        + (
+            f"; speculative server with `{SINGLE_KV_GROUP}`"
+            if SINGLE_KV_GROUP in metrics["speculative_server_args"]
+            else ""
+        )
+        + (f"; both servers with `{' '.join(metrics['target_server_args'])}`" if metrics["target_server_args"] else "")
     )
     method = metrics["speculative_config"]["method"]
     rows = []

