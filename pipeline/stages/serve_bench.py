@@ -249,19 +249,13 @@ def mixed_prompts(cfg: DictConfig, tokenizer) -> list[tuple[str, list[int]]]:
 def acceptance_by_pair(pairs: list[str], metrics: list[dict]) -> dict[str, dict]:
     """Per pair, from vLLM's per-request metrics (each request's histogram of drafts accepted per verifying step):
     α (accepted / drafted tokens), τ (1 + accepted / steps: tokens per step) and the acceptance at each draft
-    position (the share of steps that accepted at least that many drafts), as the ladder's counters give them. A
-    request without metrics (None) had no verifying step: vLLM sends none for a request that ended at its first
-    token."""
-    width = next(len(request["acceptance_histogram"]) for request in metrics if request is not None)
+    position (the share of steps that accepted at least that many drafts), as the ladder's counters give them."""
     totals: dict[str, dict] = {}
     for pair, request in zip(pairs, metrics):
         total = totals.setdefault(
-            pair, {"requests": 0, "without_steps": 0, "draft_tokens": 0, "histogram": [0] * width}
+            pair, {"requests": 0, "draft_tokens": 0, "histogram": [0] * len(request["acceptance_histogram"])}
         )
         total["requests"] += 1
-        if request is None:
-            total["without_steps"] += 1
-            continue
         total["draft_tokens"] += request["num_draft_tokens"]
         total["histogram"] = [a + b for a, b in zip(total["histogram"], request["acceptance_histogram"])]
     out = {}
@@ -270,7 +264,6 @@ def acceptance_by_pair(pairs: list[str], metrics: list[dict]) -> dict[str, dict]
         steps, accepted = sum(histogram), sum(j * count for j, count in enumerate(histogram))
         out[pair] = {
             "requests": total["requests"],
-            "requests_without_steps": total["without_steps"],
             "drafts": steps,
             "draft_tokens": total["draft_tokens"],
             "accepted_tokens": accepted,
@@ -314,7 +307,7 @@ def mixed_traffic(cfg: DictConfig, server: VLLMServer, data: dict, concurrency: 
             await client.close()
 
     completions = asyncio.run(send_all())
-    if all(completion.spec_decode is None for completion in completions):
+    if any(completion.spec_decode is None for completion in completions):
         raise ServingError(f"vLLM sent no per-request speculative-decoding metrics (log: {server.log_path})")
     pairs = [pair for pair, _ in data["mixed"]]
     return {
