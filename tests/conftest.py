@@ -3,6 +3,7 @@ and shared by every test session, as the pipeline itself shares them."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 
 import pytest
@@ -40,8 +41,14 @@ def end_to_end(item: pytest.Item) -> bool:
     return bool(item.get_closest_marker("slow") or item.get_closest_marker("paper"))
 
 
-# Session fixtures that run stages: the tests sharing one share a worker, which runs it once.
+# Session fixtures whose tests share a worker, which sets them up once: the session's vLLM server (and the EAGLE-3
+# head's stages, one of whose tests serves the head beside it), test_slurm's cluster (fixed ports), the paper
+# recipes' stand-ins, and the fixtures that run stages.
 SHARED_RUNS = {
+    "vllm_server": "vllm",
+    "head_pretrained": "vllm",
+    "cluster": "slurm",
+    "stand_ins": "paper",
     "pretrained": "pretrained",
     "two_ddp_jobs": "pretrained",  # one of its tests compares with `pretrained`'s run
     "ci_drafter": "ci_drafter",
@@ -50,13 +57,8 @@ SHARED_RUNS = {
 
 
 def worker_group(item: pytest.Item) -> str | None:
-    """The xdist group of a test. On one worker: the tests of the session's vLLM server (started once), those that
-    start servers of their own (``starts_vllm``; ~5 GB each: two workers' at once would not fit in 24 GiB beside the
-    session's), test_slurm's cluster (fixed ports; its chain distills through vLLM), and the EAGLE-3 head's stages
-    (one of their tests serves the head in vLLM)."""
-    names = set(item.fixturenames)  # with the fixtures' own fixtures
-    if item.get_closest_marker("starts_vllm") or names & {"vllm_server", "head_pretrained"}:
-        return "vllm"
+    """The xdist group of a test: that of the first session fixture of SHARED_RUNS it uses, with the fixtures' own."""
+    names = set(item.fixturenames)
     return next((group for fixture, group in SHARED_RUNS.items() if fixture in names), None)
 
 
@@ -69,6 +71,24 @@ def pytest_collection_modifyitems(items):
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: not end_to_end(item))
+
+
+# A CPU vLLM server of the ci target takes ~3.5 GB (cpu_kvcache_gb=1). The session's and one test's own servers on
+# each worker fit in 24 GiB beside the stages; a test that starts two at once (``starts_vllm(servers=2)``) holds this
+# lock, so that no other does at the same time: at most four servers run, in every pytest of this checkout.
+TWO_SERVERS_LOCK = REPO_ROOT / "runs" / "cache" / "tests-two-vllm-servers.lock"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    mark = item.get_closest_marker("starts_vllm")
+    if mark is None or mark.kwargs.get("servers", 1) < 2:
+        yield
+        return
+    TWO_SERVERS_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with TWO_SERVERS_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 REAL_MODELS = {"smollm_path", "gemma_path"}  # fixtures of the real (135M, 270M) models
@@ -119,7 +139,7 @@ def smollm_path() -> str:
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory, smollm_path):
     """ONE real vLLM CPU server on SmolLM2 (the ci target, in the ci recipe's float32) for the whole session: it takes
-    30-70 s to start and ~5 GB of memory. Use ``vllm_server.endpoint`` (url, api_key); tests must not stop it."""
+    30-70 s to start and ~3.5 GB of memory. Use ``vllm_server.endpoint`` (url, api_key); tests must not stop it."""
     from pipeline.serving.server import VLLMServer
 
     with VLLMServer(
@@ -129,5 +149,6 @@ def vllm_server(tmp_path_factory, smollm_path):
         REPO_ROOT / "runs" / "cache" / "vllm",
         dtype="float32",
         max_model_len=2048,
+        cpu_kvcache_gb=1,
     ) as server:
         yield server

@@ -383,6 +383,7 @@ def test_sliding_window_target_keeps_its_outputs_with_one_kv_cache_group(gemma_p
             f"eval.num_draft_tokens={K}",
             "eval.warmup=0",
             "distill.server.dtype=float32",
+            "distill.server.cpu_kvcache_gb=1",  # beside the other worker's servers (tests/conftest.py)
         ]
     )
     out = next((tmp_path / "runs").glob("**/eval-vllm"))
