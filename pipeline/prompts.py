@@ -74,3 +74,12 @@ def stop_token_ids(target: DictConfig, tokenizer) -> list[int]:
             )
         ids.append(token_id)
     return ids
+
+
+def stop_string_token_ids(tokenizer, stop: Sequence[str]) -> list[int]:
+    """Every token whose text holds one of the stop strings: sampling one ends the answer where the stop string
+    would (a stop string that spans tokens is not among them)."""
+    if not stop:
+        return []
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    return [i for i, text in enumerate(texts) if any(s in text for s in stop)]

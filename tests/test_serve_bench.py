@@ -287,6 +287,40 @@ def test_mixed_traffic_acceptance_is_each_languages_own():
     assert ja["alpha"] == 1 / 6 and ja["tau"] == 1 + 1 / 3 and ja["acceptance_per_position"] == [1 / 3, 0.0]
 
 
+def test_mixed_traffic_also_stops_at_every_token_holding_a_stop_string(tmp_path, smollm_path, monkeypatch):
+    """vLLM 0.32 sends a request's metrics only where its scheduler ends the request, not where its detokenizer
+    finds a stop string: the mixed traffic stops at the tokens holding one too (47 of 48 requests of a real run
+    end there), as stop token ids, where the stop string would have ended it."""
+    from types import SimpleNamespace
+
+    from pipeline.models.provision import load_tokenizer
+    from pipeline.serving.client import Completion
+
+    cfg = compose_config(overrides(tmp_path / "runs", "serve_bench.mixed_langs=[fr-en]"))
+    tokenizer = load_tokenizer(smollm_path)
+    data = serve_bench.write_dataset(cfg, tokenizer, tmp_path / "prompts.jsonl")
+    sent = {}
+
+    class Client:  # the distill stage's client, as a vLLM that ends each request at a stop token would answer it
+        def __init__(self, endpoint, **settings):
+            sent.update(settings)
+
+        async def complete(self, ids, temperature, seed):
+            return Completion("Hi.\n", "stop", 198, len(ids), 3, None, ids, [12, 30, 198], spec_metrics(K, [1]))
+
+        async def close(self):
+            pass
+
+    monkeypatch.setattr(serve_bench, "TargetClient", Client)
+    server = SimpleNamespace(endpoint=None, served_name="smollm2-135m", log_path=tmp_path / "vllm.log")
+    mixed = serve_bench.mixed_traffic(cfg, server, data, 2)
+
+    newline_tokens = {i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])}
+    assert tokenizer.convert_tokens_to_ids("Ċ") in newline_tokens and len(newline_tokens) > 1  # "\n", "\n\n", ".\n"...
+    assert set(sent["stop_token_ids"]) == newline_tokens and sent["stop"] == ["\n"]
+    assert mixed["ended_by_a_stop"] == len(data["mixed"]) == 2 * 3 and set(mixed["pairs"]) == {"de-en", "fr-en"}
+
+
 def test_suffix_is_skipped_and_said_so_where_arctic_inference_is_missing(tmp_path, canned, monkeypatch):
     monkeypatch.setattr(serve_bench, "installed", lambda module: False)
     argv = ["serve-bench", *overrides(tmp_path / "runs", "serve_bench.methods=[target,suffix]")]

@@ -56,7 +56,7 @@ from pipeline.evaluation.results import environment
 from pipeline.jsonl import write_jsonl
 from pipeline.models.export import SINGLE_KV_GROUP
 from pipeline.models.provision import load_tokenizer, model_path
-from pipeline.prompts import prompt_ids, stop_strings, stop_token_ids
+from pipeline.prompts import prompt_ids, stop_string_token_ids, stop_strings, stop_token_ids
 from pipeline.rundir import StageDir, make_command
 from pipeline.serving.client import TargetClient
 from pipeline.serving.server import VLLMServer, target_server
@@ -161,6 +161,13 @@ def write_dataset(cfg: DictConfig, tokenizer, path: Path) -> dict:
         "prompt_tokens": [len(ids[i % len(ids)]) for i in range(total)],
         "prompts": len(prompts),
         "mixed": mixed_prompts(cfg, tokenizer) if cfg.serve_bench.mixed_langs else [],
+        # vLLM 0.32 sends per-request metrics only for requests its scheduler ends (EOS, a stop token, max_tokens), not
+        # for those its detokenizer ends at a stop string (vllm/v1/core/sched/scheduler.py): the mixed traffic also
+        # stops at every token holding a stop string, where the string would end the request. Not the ladder's
+        # requests: vLLM scans stop_token_ids as a list for every token it emits.
+        "mixed_stop_token_ids": (
+            stop_string_token_ids(tokenizer, stop_strings(cfg.target)) if cfg.serve_bench.mixed_langs else []
+        ),
         "body": {
             "stop": stop_strings(cfg.target) or None,
             "stop_token_ids": stop_token_ids(cfg.target, tokenizer),
@@ -285,7 +292,7 @@ def mixed_traffic(cfg: DictConfig, server: VLLMServer, data: dict, concurrency: 
         client = TargetClient(
             server.endpoint,
             stop=body["stop"] or [],
-            stop_token_ids=body["stop_token_ids"],
+            stop_token_ids=[*body["stop_token_ids"], *data["mixed_stop_token_ids"]],
             max_tokens=cfg.eval.max_new_tokens,
             top_p=body["top_p"],
             top_k=body["top_k"],
@@ -307,17 +314,16 @@ def mixed_traffic(cfg: DictConfig, server: VLLMServer, data: dict, concurrency: 
             await client.close()
 
     completions = asyncio.run(send_all())
-    # vLLM 0.32's scheduler attaches them only where it ends the request itself (EOS, max_tokens): one that a stop
-    # string ends is aborted from the detokenizer and comes back without (vllm/v1/core/sched/scheduler.py)
     if missing := sum(completion.spec_decode is None for completion in completions):
         raise ServingError(
             f"vLLM sent no per-request speculative-decoding metrics for {missing} of {len(completions)} requests "
-            f"(vLLM 0.32 sends none for a request a stop string ends); log: {server.log_path}"
+            f"(vLLM 0.32 sends none for a request a stop string spanning tokens ends); log: {server.log_path}"
         )
     pairs = [pair for pair, _ in data["mixed"]]
     return {
         "concurrency": concurrency,
         "pairs": acceptance_by_pair(pairs, [completion.spec_decode for completion in completions]),
+        "ended_by_a_stop": sum(completion.finish_reason == "stop" for completion in completions),
     }
 
 

@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline.config import ConfigError, Divergence
 from pipeline.evaluation.teacher_forced import TeacherForced, drafter_log_probs, left_pad, position_ids, score, vocab_on
 from pipeline.models.vocab import VocabMap
-from pipeline.prompts import IGNORE
+from pipeline.prompts import IGNORE, stop_string_token_ids
 from pipeline.speculative.engine import StopCondition
 from pipeline.training import loop
 from pipeline.training.data import Collator, seeded_prompt_ids
@@ -77,8 +77,7 @@ def drafter_logits(model, drafter_ids: torch.Tensor, attention_mask: torch.Tenso
 
 def rollout_stop_ids(stop: StopCondition) -> list[int]:
     """Target ids that end a rollout: the answer's end ids, and every token whose text holds a stop string."""
-    texts = stop.tokenizer.batch_decode([[i] for i in range(len(stop.tokenizer))])
-    return sorted(stop.eos_token_ids | {i for i, text in enumerate(texts) if any(s in text for s in stop.stop_strings)})
+    return sorted(stop.eos_token_ids | set(stop_string_token_ids(stop.tokenizer, stop.stop_strings)))
 
 
 class OnPolicyObjective:
