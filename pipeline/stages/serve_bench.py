@@ -474,6 +474,21 @@ def deployable_config(methods: dict, schedule: dict | None) -> dict | None:
     return spec
 
 
+def schedule_misses(schedule: dict, measured: dict | None) -> list[str]:
+    """A line for each concurrency where the schedule's predicted speedup and its measured one fall on opposite
+    sides of 1: the measurement stands, and the report says the prediction missed."""
+    if measured is None:
+        return []
+    levels = {str(c): figures for c, figures in measured["levels"].items()}
+    return [
+        f"- the prediction missed at concurrency {c}: predicted {predicted:.2f}×, measured "
+        f"{levels[str(c)]['speedup']:.2f}×"
+        + ("; K = 0 there (the target alone) was not measured" if predicted > 1 else "")
+        for c, predicted in schedule["predicted_speedup"].items()
+        if str(c) in levels and (predicted > 1) != (levels[str(c)]["speedup"] > 1)
+    ]
+
+
 def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for method, measured in result["methods"].items():
@@ -556,6 +571,7 @@ def report(result: dict) -> str:
             f"K schedule (`num_speculative_tokens_per_batch_size`, [first, last batch size, K]): "
             f"{schedule['num_speculative_tokens_per_batch_size']}, predicted speedup by concurrency "
             f"{schedule['predicted_speedup']}" + (f"; not run: {schedule['not_run']}" if "not_run" in schedule else ""),
+            *schedule_misses(schedule, result["methods"].get(SCHEDULE)),
         ]
     if result["deploy"] is not None:
         target_args = result["methods"][ServeMethod.drafter.value]["speculative_config"]["target_args"]
