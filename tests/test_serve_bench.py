@@ -353,7 +353,7 @@ def test_a_schedule_that_misses_its_prediction_is_reported_as_measured():
     """The demo's schedule (2026-11-29): predicted 1.21x, 1.16x, 1.01x at concurrency 1, 2, 4; measured 1.14x,
     1.19x, 0.84x. The report keeps the measurement and says where the prediction missed."""
     schedule = {"predicted_speedup": {1: 1.208, 2: 1.162, 4: 1.01}}
-    measured = {"levels": {"1": {"speedup": 1.14}, "2": {"speedup": 1.19}, "4": {"speedup": 0.84}}}
+    measured = {"levels": {1: {"speedup": 1.14}, 2: {"speedup": 1.19}, 4: {"speedup": 0.84}}}
     assert serve_bench.schedule_misses(schedule, measured) == [
         "- the prediction missed at concurrency 4: predicted 1.01×, measured 0.84×; "
         "K = 0 there (the target alone) was not measured"

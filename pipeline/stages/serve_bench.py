@@ -479,13 +479,12 @@ def schedule_misses(schedule: dict, measured: dict | None) -> list[str]:
     sides of 1: the measurement stands, and the report says the prediction missed."""
     if measured is None:
         return []
-    levels = {str(c): figures for c, figures in measured["levels"].items()}
+    levels = measured["levels"]  # keyed as the schedule is: both from the drafter's ladder
     return [
-        f"- the prediction missed at concurrency {c}: predicted {predicted:.2f}×, measured "
-        f"{levels[str(c)]['speedup']:.2f}×"
+        f"- the prediction missed at concurrency {c}: predicted {predicted:.2f}×, measured {levels[c]['speedup']:.2f}×"
         + ("; K = 0 there (the target alone) was not measured" if predicted > 1 else "")
         for c, predicted in schedule["predicted_speedup"].items()
-        if str(c) in levels and (predicted > 1) != (levels[str(c)]["speedup"] > 1)
+        if c in levels and (predicted > 1) != (levels[c]["speedup"] > 1)
     ]
 
 
