@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from pipeline.errors import StageInputError
 from pipeline.evaluation.choices import check_ks
+from pipeline.evaluation.methods import split_method
 from pipeline.rundir import MARKER, VLLM_EVAL, make_command, stage_dir
 from pipeline.speculative.costs import cost_line
 
@@ -30,6 +31,24 @@ METHOD_NAMES = {
 }
 
 
+def method_name(method: str) -> str:
+    """A method's name in tables, a drafter beside the eval's by its label: hybrid@tiny-7m -> "lookup, else drafter
+    (ours), tiny-7m"."""
+    base, label = split_method(method)
+    return METHOD_NAMES[base] + (f", {label}" if label else "")
+
+
+def methods_in(metrics: dict, bases=tuple(METHOD_NAMES)) -> list[str]:
+    """The methods of ``bases`` that the results hold, in that order, each followed by its drafters beside."""
+    present = {name for pair, t in columns(metrics) for name in metrics["results"][pair][t]["summary"]}
+    return [
+        name
+        for base in bases
+        for name in [base, *sorted(n for n in present if n.startswith(f"{base}@"))]
+        if name in present
+    ]
+
+
 def summary_of(metrics: dict) -> dict:
     """{"T0": {"speedup", "tau", "alpha"}, "T1": ...} of the speculative method on the pair it was trained on."""
     results = metrics["results"][metrics["trained_on"]]
@@ -37,6 +56,23 @@ def summary_of(metrics: dict) -> dict:
     for t_key, result in results.items():  # "T=0.0", "T=1.0"
         spec = result["summary"]["speculative"]
         out[f"T{float(t_key.split('=')[1]):g}"] = {key: spec[key]["mean"] for key in ("speedup", "tau", "alpha")}
+    return out
+
+
+def drafters_compared(metrics: dict) -> dict:
+    """The eval's drafter and those beside it (eval.beside), paired per decode on the pair it was trained on: per
+    temperature, each drafter's speculative and hybrid speedups and the drafter whose speculative speedup is highest."""
+    own = metrics.get("drafter_name") or "drafter"
+    out = {}
+    for t_key, result in metrics["results"][metrics["trained_on"]].items():
+        summary = result["summary"]
+        labels = {own: ""} | {split_method(n)[1]: f"@{split_method(n)[1]}" for n in summary if "@" in n}
+        speedups = {
+            label: {m: summary[m + tag]["speedup"]["mean"] for m in ("speculative", "hybrid") if m + tag in summary}
+            for label, tag in labels.items()
+        }
+        fastest = max(speedups, key=lambda label: speedups[label].get("speculative", 0.0))
+        out[f"T{float(t_key.split('=')[1]):g}"] = {"speedup": speedups, "fastest": fastest}
     return out
 
 
@@ -60,13 +96,13 @@ def table(rows: list[tuple[str, list[str]]], header: list[str]) -> str:
 
 def speedup_table(metrics: dict, label: str = "") -> list[tuple[str, list[str]]]:
     rows = []
-    for method in METHOD_NAMES:
+    for method in methods_in(metrics):
         cells = [
             cell(metrics["results"][pair][t]["summary"].get(method, {}), "speedup") + "×"
             for pair, t in columns(metrics)
         ]
         if any(c != "–×" for c in cells):
-            rows.append((f"{label}{METHOD_NAMES[method]}", [c.replace("–×", "–") for c in cells]))
+            rows.append((f"{label}{method_name(method)}", [c.replace("–×", "–") for c in cells]))
     return rows
 
 
@@ -87,13 +123,11 @@ def greedy_gate_line(lossless: dict, reference: str = "the target's") -> str:
 def stage_report(metrics: dict) -> str:
     header = ["method", *[f"{pair} {t}" for pair, t in columns(metrics)]]
     acceptance = []
-    for method in ("speculative", "pld", "hybrid", "router"):
-        if not any(method in metrics["results"][p][t]["summary"] for p, t in columns(metrics)):
-            continue
+    for method in methods_in(metrics, ("speculative", "pld", "hybrid", "router")):
         for key, name in (("alpha", "α"), ("tau", "τ")):
             acceptance.append(
                 (
-                    f"{METHOD_NAMES[method]} {name}",
+                    f"{method_name(method)} {name}",
                     [cell(metrics["results"][p][t]["summary"].get(method, {}), key) for p, t in columns(metrics)],
                 )
             )
@@ -103,7 +137,11 @@ def stage_report(metrics: dict) -> str:
         f"# eval: drafter trained on {metrics['trained_on']}",
         "",
         f"target `{metrics['target']}`, drafter `{metrics['drafter']}`"
-        + (f" (reduced vocabulary: {metrics['reduced_vocab']} ids)" if metrics.get("reduced_vocab") else ""),
+        + (f" (reduced vocabulary: {metrics['reduced_vocab']} ids)" if metrics.get("reduced_vocab") else "")
+        + "".join(
+            f"; beside it, paired per decode, `{label}`: `{folder}` (c {costs['beside'][label]['c']:.3f})"
+            for label, folder in (metrics.get("beside") or {}).items()
+        ),
         k_line(metrics)
         + (
             f" (a draft stops below drafter confidence {metrics['draft_confidence']:g})"
@@ -217,7 +255,7 @@ def k_check_line(t_key: str, method: str, check: dict, choice: dict) -> str:
     at_k = f"{check['predicted_speedup']:.2f}× at K={check['k']} from the pilot's τ {check['pilot_tau']:.2f}"
     predicted = f"K={check['predicted_k']}" if check["predicted_k"] else "K = 0, the target alone"
     return (
-        f"**{t_key}, {METHOD_NAMES[method]}: {measured}: {verdict}.** The formula predicted {predicted} ({at_k}): "
+        f"**{t_key}, {method_name(method)}: {measured}: {verdict}.** The formula predicted {predicted} ({at_k}): "
         "the prediction missed."
     )
 
@@ -250,7 +288,7 @@ def k_line(metrics: dict) -> str:
     pilot = next(iter(next(iter(choice.values())).values())).get("pilot_prompts")
     source = f"the τ of untimed decodes of {pilot} prompts" if pilot else "the warm-up's τ"
     return f"K chosen before decoding from the measured costs and {source}: " + "; ".join(
-        f"{t_key}: " + ", ".join(f"{METHOD_NAMES[m]} {c['k']}" for m, c in by_method.items())
+        f"{t_key}: " + ", ".join(f"{method_name(m)} {c['k']}" for m, c in by_method.items())
         for t_key, by_method in choice.items()
     )
 
@@ -279,7 +317,7 @@ def dtype_line(metrics: dict) -> str:
 def plot_speedup(metrics: dict, path: Path) -> None:
     plt = pyplot()
     cols = columns(metrics)
-    methods = [m for m in METHOD_NAMES if any(m in metrics["results"][p][t]["summary"] for p, t in cols)]
+    methods = methods_in(metrics)
     fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(cols) * len(methods) / 2, 4))
     width = 0.8 / len(methods)
     for i, method in enumerate(methods):
@@ -291,7 +329,7 @@ def plot_speedup(metrics: dict, path: Path) -> None:
             [m["mean"] for m in means],
             width,
             yerr=[m["std"] for m in means],
-            label=METHOD_NAMES[method],
+            label=method_name(method),
         )
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(cols))], [f"{p}\n{t}" for p, t in cols])
@@ -362,6 +400,8 @@ def summarize_pairs(configs: dict[str, DictConfig], started: float | None) -> Pa
             raise StageInputError(f"{evaluation.path} is not complete; run `{make_command(cfg, 'all')}` first")
         metrics = json.loads((evaluation.path / "metrics.json").read_text())
         summary[pair] = {"temperatures": summary_of(metrics), "machine": machine_of(metrics)}
+        if metrics.get("beside"):
+            summary[pair]["drafters"] = drafters_compared(metrics)
         header = ["method", *[f"{p} {t}" for p, t in columns(metrics)]]
         sections += [
             table(speedup_table(metrics), header),
@@ -381,6 +421,15 @@ def summarize_pairs(configs: dict[str, DictConfig], started: float | None) -> Pa
             for t, m in summary[pair]["temperatures"].items()
         )
         print(f"{pair} speculative (ours) — {line}")
+        for t, compared in summary[pair].get("drafters", {}).items():
+            print(
+                f"{pair} {t}, drafters paired per decode: "
+                + ", ".join(
+                    f"{label} {s['speculative']:.2f}x" + (f" (hybrid {s['hybrid']:.2f}x)" if "hybrid" in s else "")
+                    for label, s in compared["speedup"].items()
+                )
+                + f": {compared['fastest']} pays most"
+            )
         m = summary[pair]["machine"]
         print(
             f"{pair} on {m['cpu']}: target in {m['target_dtype']}, {cost_line(m)}, K run: "

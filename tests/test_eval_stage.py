@@ -253,7 +253,7 @@ def test_language_router_drafts_each_prompt_with_its_languages_drafter(ci_drafte
     import shutil
 
     from pipeline.evaluation.heldout import lang_config
-    from pipeline.evaluation.transformers_backend import MIXED
+    from pipeline.evaluation.methods import MIXED
 
     base = [
         "recipe=ci",
@@ -283,6 +283,81 @@ def test_language_router_drafts_each_prompt_with_its_languages_drafter(ci_drafte
     router_alpha = metrics["results"][MIXED]["T=0.0"]["summary"]["router"]["alpha"]["mean"]
     assert router_alpha > metrics["results"][MIXED]["T=0.0"]["summary"]["speculative"]["alpha"]["mean"]
     assert "language router" in (out / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_drafters_beside_the_evals_own_are_measured_on_the_same_decodes_at_their_own_k(
+    ci_drafter, smollm_path, runs_dir, capsys
+):
+    """The eval's drafter is a random tiny one; beside it the target itself (α = 1), by folder, and tiny-ci by its
+    config name (this pair's finetuned tiny-ci drafter: the random one again). Each runs speculative and hybrid on
+    the same prompts and seeds as the eval's own, exact at T=0, with its own c and K, and the report names it."""
+    import shutil
+
+    base = [
+        "recipe=ci",
+        f"paths.runs_dir={runs_dir}",
+        "eval.num_prompts=1",
+        "eval.warmup=1",  # K is chosen per method from the pilot
+        "eval.methods=[target,speculative,hybrid]",
+        "eval.k_sweep=[4]",
+    ]
+    cfg = compose_config(base)
+    finetuned(cfg, lambda folder: shutil.copytree(ci_drafter, folder))
+    beside = f"eval.beside=[self:{smollm_path},again:tiny-ci]"
+    assert cli.main(["eval", *base, f"eval.drafter_path={ci_drafter}", beside]) == 0
+    out = next(runs_dir.glob("**/de-en/eval"))
+    metrics = json.loads((out / "metrics.json").read_text())
+    again = runs_dir.glob("**/de-en/finetune/drafter")
+    assert metrics["beside"] == {"self": str(smollm_path), "again": str(next(again))}
+    beside_methods = ["speculative@self", "hybrid@self", "speculative@again", "hybrid@again"]
+    assert metrics["lossless"]["outputs_checked"] == 2 + len(beside_methods)
+    assert metrics["lossless"]["exact"] == metrics["lossless"]["outputs_checked"]
+    for t in ("T=0.0", "T=1.0"):
+        summary = metrics["results"]["de-en"][t]["summary"]
+        assert set(beside_methods) <= set(summary), t
+        assert set(beside_methods) <= set(metrics["k_choice"][t]), t  # each at the K its own costs choose
+    greedy = metrics["results"]["de-en"]["T=0.0"]["summary"]
+    assert greedy["speculative@self"]["alpha"]["mean"] == 1.0
+    assert greedy["speculative@again"]["alpha"]["mean"] < 1.0
+    costs = metrics["costs"]
+    assert costs["beside"]["again"]["c"] < 0.5 < costs["beside"]["self"]["c"]  # its own drafter's step, not the eval's
+    rows = [json.loads(line) for line in (out / "samples.jsonl").open()]
+    for row in rows:  # paired: every method of a prompt in the same row, same prompt and seed
+        assert set(beside_methods) <= set(row["methods"])
+        if row["temperature"] == 0.0:
+            assert row["methods"]["speculative@self"]["output"] == row["methods"]["target"]["output"]
+    text = (out / "report.md").read_text()
+    assert "| speculative (ours), self |" in text and "| lookup, else drafter (ours), again |" in text
+    assert "beside it, paired per decode, `self`" in text
+
+    # make demo's summary: each drafter's speedups side by side, and the one that pays most
+    assert cli.main(["report", *base, f"eval.drafter_path={ci_drafter}", beside, "--langs", "de-en"]) == 0
+    drafters = json.loads((runs_dir / "demo-summary.json").read_text())["de-en"]["drafters"]
+    assert set(drafters["T0"]["speedup"]) == {"drafter", "self", "again"}
+    assert drafters["T0"]["speedup"]["self"]["speculative"] == greedy["speculative@self"]["speedup"]["mean"]
+    assert "de-en T0, drafters paired per decode: drafter " in capsys.readouterr().out
+
+
+def test_drafters_beside_are_checked(ci_cfg, runs_dir):
+    from pipeline.config import ConfigError
+    from pipeline.errors import StageInputError
+    from pipeline.evaluation.methods import beside_folders
+
+    with pytest.raises(ConfigError, match="label a_k2 must be letters, digits, dots and hyphens"):
+        compose_config(["recipe=ci", "eval.beside=[a_k2:tiny-ci]"])
+    with pytest.raises(ConfigError, match="label runs/x/drafter must be .* write LABEL:FOLDER for a folder"):
+        compose_config(["recipe=ci", "eval.beside=[runs/x/drafter]"])
+    with pytest.raises(ConfigError, match="two drafters labelled alike"):
+        compose_config(["recipe=ci", "eval.beside=[tiny-ci,tiny-ci:runs/x]"])
+    with pytest.raises(ConfigError, match="eval.beside runs on our engine: set eval.engine=transformers"):
+        compose_config(["recipe=ci", "eval.beside=[tiny-ci]", "eval.engine=vllm"])
+    cfg = compose_config(["recipe=ci", f"paths.runs_dir={runs_dir}", "eval.beside=[x:no-such-drafter]"])
+    with pytest.raises(ConfigError, match="eval.beside: no-such-drafter is neither a folder nor a drafter config"):
+        beside_folders(cfg)
+    cfg = compose_config(["recipe=ci", f"paths.runs_dir={runs_dir}", "eval.beside=[eagle3-ci]"])
+    with pytest.raises(StageInputError, match=r"needs the eagle3-ci drafter finetuned on de-en.*run `make finetune "):
+        beside_folders(cfg)
 
 
 def test_router_langs_are_checked(ci_cfg, runs_dir, capsys):

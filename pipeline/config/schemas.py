@@ -24,6 +24,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig
 
 DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")  # eval.device
+BESIDE_LABEL = re.compile(r"[A-Za-z0-9.-]+")  # eval.beside labels: no "_k" (a K sweep's suffix), "@" nor "/"
 
 
 def _positive_or_auto(count: Any) -> bool:
@@ -550,6 +551,10 @@ class EvalConfig:
     # language router: a `mixed` set of these pairs' held-out prompts, each drafted by the finetuned drafter
     # of its detected source language, against the one eval drafter for all
     router_langs: list[str] = field(default_factory=list)
+    # drafters measured beside the eval's own, paired per decode, as methods speculative@<label> and hybrid@<label>
+    # (pipeline/evaluation/methods.py): a drafter config (its finetuned drafter of this pair), or LABEL:FOLDER|CONFIG,
+    # e.g. [tiny-7m] beside a head, [general:<the pretrain stage's drafter folder>]
+    beside: list[str] = field(default_factory=list)
     engine: EvalEngine = EvalEngine.transformers  # what decodes and is timed
     device: str = "auto"  # auto (CUDA when visible, else CPU) | cpu | cuda | cuda:N: target, drafters, every tensor
     # processes that decode disjoint shares of the prompts, each on its own GPU: auto = every visible GPU (1 without
@@ -579,6 +584,16 @@ class EvalConfig:
                 f"{key}.dtype_candidates: {', '.join(map(str, unknown))} not a half-precision dtype; "
                 "valid: bfloat16, float16"
             )
+        labels = [entry.partition(":")[0] for entry in ev.beside]
+        if bad := [label for label in labels if not BESIDE_LABEL.fullmatch(label)]:
+            problems.append(
+                f"{key}.beside: label {bad[0]} must be letters, digits, dots and hyphens (it names the methods "
+                "speculative@<label> and hybrid@<label>); write LABEL:FOLDER for a folder"
+            )
+        elif len(set(labels)) < len(labels):
+            problems.append(f"{key}.beside: two drafters labelled alike ({', '.join(labels)}); write LABEL:DRAFTER")
+        if ev.beside and ev.engine == EvalEngine.vllm:
+            problems.append(f"{key}.beside runs on our engine: set {key}.engine=transformers, or leave beside empty")
         sources = [pair.split("-")[0] for pair in ev.router_langs]
         if ev.router_langs and (len(sources) < 2 or len(set(sources)) < len(sources)):
             problems.append(

@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig
 
 from pipeline.device import cpu_model, half_precision_dtypes
+from pipeline.evaluation.methods import split_method
 from pipeline.models.provision import load_model
 from pipeline.speculative.costs import canonical_dtype, choose_k, dtype_candidates, no_k_pays, pick_dtype, time_steps
 from pipeline.speculative.engine import step_costs
@@ -90,7 +91,7 @@ def pilot(cfg: DictConfig, decoders, prompts) -> dict:
     for t in ev.temperatures:
         sampling = Sampling(t, ev.top_k, ev.top_p)
         for name, method, k in decoders.variants(first_pass=True, pair=cfg.lang.pair, t=t):
-            if method in K_CHOSEN:
+            if split_method(method)[0] in K_CHOSEN:
                 out[t, name] = [
                     decoders.decode(method, k, prompts.token_ids[prompt], sampling, prompt_seed(ev.seeds[0], index))
                     for index, (_, prompt) in enumerate(first)
@@ -100,9 +101,15 @@ def pilot(cfg: DictConfig, decoders, prompts) -> dict:
 
 def measure_costs(decoders, first_ids: torch.Tensor, ks: list[int]) -> dict:
     """The step costs (engine.step_costs) of the target and the eval's drafter, and whether that drafter drafts
-    a round in one parallel forward."""
+    a round in one parallel forward; under "beside", each drafter beside's c and draft(K) against the same target."""
     costs = step_costs(decoders.target, decoders.drafter.lm, first_ids, ks)
-    return costs | {"parallel_draft": decoders.drafter.lm.mask_id is not None}
+    beside = {}
+    for label, drafter in decoders.beside.items():
+        own = step_costs(decoders.target, drafter.lm, first_ids, ks)
+        beside[label] = {key: own[key] for key in ("drafter_step_s", "c", "draft")} | {
+            "parallel_draft": drafter.lm.mask_id is not None
+        }
+    return costs | {"parallel_draft": decoders.drafter.lm.mask_id is not None} | ({"beside": beside} if beside else {})
 
 
 def step_costs_of(progress: dict) -> dict:
@@ -111,7 +118,20 @@ def step_costs_of(progress: dict) -> dict:
     costs = progress["costs"]
     v = {int(k): value for k, value in costs["v"].items()}
     draft = {int(k): value for k, value in costs.get("draft", {k: k * costs["c"] for k in v}).items()}
-    return costs | {"v": v, "draft": draft}
+    beside = {
+        label: own | {"draft": {int(k): value for k, value in own["draft"].items()}}
+        for label, own in costs.get("beside", {}).items()
+    }
+    return costs | {"v": v, "draft": draft} | ({"beside": beside} if beside else {})
+
+
+def drafter_costs(costs: dict, method: str) -> dict | None:
+    """The costs (c, draft(K), parallel_draft) of the drafter a method drafts with: the eval's, or the one beside
+    it that its name labels; None for a method that drafts without a model (prompt lookup costs next to nothing)."""
+    base, label = split_method(method)
+    if base not in MODEL_DRAFTED:
+        return None
+    return costs["beside"][label] if label else costs
 
 
 def choose_ks(cfg: DictConfig, pilot_decodes: dict, costs: dict, device: torch.device) -> dict:
@@ -119,25 +139,22 @@ def choose_ks(cfg: DictConfig, pilot_decodes: dict, costs: dict, device: torch.d
     its prompts) and the measured costs; a method no K is predicted to pay for gets the one line that says what
     it would need."""
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({cpu_model()})"
-    parallel = costs.get("parallel_draft", False)
     choice = {}
     for t in cfg.eval.temperatures:
-        for method in K_CHOSEN:
+        for method in dict.fromkeys(name.split("_k")[0] for pt, name in pilot_decodes if pt == t):
             runs = {
                 int(name.removeprefix(f"{method}_k")) if name != method else cfg.eval.num_draft_tokens: generations
                 for (pt, name), generations in pilot_decodes.items()
                 if pt == t and name.split("_k")[0] == method
             }
-            if not runs:
-                continue
-            drafted = method in MODEL_DRAFTED
-            c, draft = (costs["c"], costs["draft"]) if drafted else (0.0, None)
+            own = drafter_costs(costs, method)
+            c, draft = (own["c"], own["draft"]) if own else (0.0, None)
             picked = choose_k({k: method_stats(runs[k])["tau"] for k in runs}, c, costs["v"], draft)
             picked["pilot_prompts"] = len(next(iter(runs.values())))
             if picked["recommended_k"] == 0:
                 k = picked["k"]
                 # a parallel drafter's round is one forward, draft(K); an autoregressive one's K steps, K·c
-                one_forward = draft[k] if drafted and parallel else None
+                one_forward = draft[k] if own and own.get("parallel_draft") else None
                 picked["no_k_pays"] = no_k_pays(method, k, c, costs["v"][k], picked["tau"][k], machine, one_forward)
             choice.setdefault(f"T={t}", {})[method] = picked
     return choice

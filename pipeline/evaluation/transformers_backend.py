@@ -57,14 +57,14 @@ from tqdm import tqdm
 from transformers import AutoConfig
 
 from pipeline import report
-from pipeline.config import EVAL_METHODS, Config, ConfigError
+from pipeline.config import Config, ConfigError
 from pipeline.device import resolve_device
 from pipeline.durable import fsync_dir, write_atomic
 from pipeline.evaluation.choices import (
-    MODEL_DRAFTED,
     check_ks,
     choose_ks,
     choose_target_dtype,
+    drafter_costs,
     measure_costs,
     pilot,
     prompt_seed,
@@ -72,7 +72,8 @@ from pipeline.evaluation.choices import (
     warm_up,
 )
 from pipeline.evaluation.gate import GreedyGate, tie_tolerance
-from pipeline.evaluation.heldout import eval_pairs, heldout_prompts, lang_config, stop_condition
+from pipeline.evaluation.heldout import eval_pairs, heldout_prompts, lang_config
+from pipeline.evaluation.methods import EXACT_AT_T0, MIXED, Decoders, Drafters, beside_folders, split_method
 from pipeline.evaluation.results import SUMMARY_KEYS, environment, summarize, write_results
 from pipeline.jsonl import AppendOnlyJsonl, read_jsonl
 from pipeline.models.drafter import load_drafter
@@ -81,20 +82,13 @@ from pipeline.prompts import prompt_ids
 from pipeline.rundir import StageInputError, make_command, stage_dir
 from pipeline.speculative.costs import canonical_dtype, cost_line
 from pipeline.speculative.engine import (
-    CachedModel,
     Generation,
-    LookupThenModelDrafter,
-    PromptLookupDrafter,
     StopCondition,
     check_parallel_k,
-    generate,
-    hf_generate,
-    model_drafter,
     predicted_speedup,
     top2_gap,
 )
-from pipeline.speculative.metrics import alpha_from_tau, measure, method_stats, speedup, timed
-from pipeline.speculative.router import LanguageRouter
+from pipeline.speculative.metrics import alpha_from_tau, measure, method_stats, speedup
 from pipeline.speculative.sampler import Sampling
 from pipeline.workers import (
     EXIT_PREEMPTED,
@@ -105,89 +99,12 @@ from pipeline.workers import (
     worker_error,
 )
 
-METHODS = (*EVAL_METHODS, "router")
-EXACT_AT_T0 = ("speculative", "pld", "hybrid", "router")  # our loop: greedy output must be the target's
-MIXED = "mixed"  # the router's prompt set: held-out prompts of every eval.router_langs pair
 SAMPLES = "samples.jsonl"  # one row per (pair, temperature, seed, prompt), appended as each prompt is measured
 SHARD = "samples.shard-{}.jsonl"  # worker process i's rows, merged into samples.jsonl when the processes end
 PROGRESS = "progress.json"  # the target's dtype, the step costs, K and the sessions that measured the rows
 WORKER_CONFIG = "worker_config.yaml"  # the composed config the worker processes read
 # a worker's exit after a preemption signal: 75 once its handler is set, killed by the signal before that
 STOPPED = (EXIT_PREEMPTED, -signal.SIGTERM, -signal.SIGUSR1)
-
-
-class Decoders:
-    """Every method's decoder over the same target, drafter and stop condition, on one device; the drafters
-    in the target's dtype, the one they are served in."""
-
-    def __init__(
-        self,
-        cfg: DictConfig,
-        target_model,
-        drafter_model,
-        vocab_map,
-        tokenizer,
-        router_drafters: dict,
-        device: torch.device,
-    ):
-        self.cfg, self.device = cfg, device
-        self.target_model = target_model
-        self.drafter_model = drafter_model.to(target_model.dtype).eval()
-        self.target = CachedModel(target_model)
-        confidence = cfg.eval.draft_confidence
-        self.drafter = model_drafter(self.drafter_model, vocab_map, confidence, self.target)
-        self.pld = PromptLookupDrafter(target_model.config.vocab_size)
-        self.hybrid = LookupThenModelDrafter(self.pld, self.drafter)
-        self.stop = stop_condition(cfg.target, tokenizer, target_model)
-        self.hf_assisted = vocab_map is None and getattr(self.drafter, "target_features", None) is None
-        self.router = LanguageRouter(
-            {
-                src: model_drafter(model.to(target_model.dtype).eval(), vocab, confidence, self.target)
-                for src, (model, vocab) in router_drafters.items()
-            },
-            self.drafter,
-        )
-        self.k_choice: dict = {}  # "T=<t>" -> method -> costs.choose_k's record (eval.choose_k)
-
-    def k(self, t: float, method: str) -> int:
-        """The method's K at temperature t: chosen from the measured costs, else eval.num_draft_tokens; the router
-        and transformers' assisted generation take the speculative method's."""
-        method = "speculative" if method in ("router", "hf_assisted") else method
-        return self.k_choice.get(f"T={t}", {}).get(method, {}).get("k", self.cfg.eval.num_draft_tokens)
-
-    def variants(self, first_pass: bool, pair: str, t: float) -> list[tuple[str, str, int]]:
-        """(name, method, K) to run; the K sweep only in the first (T=0, first seed) pass; the router
-        only on the mixed set."""
-        ev = self.cfg.eval
-        chosen = [m for m in METHODS if m == "target" or m in ev.methods or (m == "router" and pair == MIXED)]
-        if not self.hf_assisted and "hf_assisted" in chosen:
-            chosen.remove("hf_assisted")
-        out = [(m, m, self.k(t, m)) for m in chosen]
-        if first_pass and "speculative" in chosen:
-            out += [(f"speculative_k{k}", "speculative", k) for k in ev.k_sweep if k != self.k(t, "speculative")]
-        return out
-
-    def decode(self, method: str, k: int, ids: torch.Tensor, sampling: Sampling, seed: int, routed=None):
-        ev = self.cfg.eval
-        if method in ("hf", "hf_assisted"):
-            assistant = self.drafter_model if method == "hf_assisted" else None
-            return timed(
-                lambda: hf_generate(
-                    self.target_model, ids, ev.max_new_tokens, self.stop, sampling, seed, assistant=assistant, k=k
-                ),
-                self.device,
-            )
-        drafter = {
-            "target": None,
-            "speculative": self.drafter,
-            "pld": self.pld,
-            "hybrid": self.hybrid,
-            "router": routed,
-        }[method]
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        return generate(
-            self.target, ids, ev.max_new_tokens, self.stop, sampling, drafter=drafter, k=k, generator=generator
-        )
 
 
 @dataclass
@@ -219,12 +136,12 @@ def evaluate(cfg: DictConfig, directory, tracker, device: torch.device, processe
     ev, path = cfg.eval, directory.path
     target_path = model_path(cfg.target, cfg.paths.models_dir)
     drafter_path = ev.drafter_path or str(directory.inputs["finetune"].path / "drafter")
-    drafter_model, vocab_map, router_drafters, tokenizer, prompts = load_inputs(cfg, drafter_path, device)
+    drafters, tokenizer, prompts = load_inputs(cfg, drafter_path, device)
     merge_shards(path, prompts.keys(schedule(cfg, prompts)))  # what the processes of a killed session left
     rows = read_rows(path)
     progress = json.loads((path / PROGRESS).read_text()) if (path / PROGRESS).exists() else {"sessions": []}
     target_model = load_target(cfg, target_path, device, prompts, progress)
-    decoders = Decoders(cfg, target_model, drafter_model, vocab_map, tokenizer, router_drafters, device)
+    decoders = Decoders(cfg, target_model, drafters, tokenizer, device)
     decoders.k_choice = progress.get("k_choice", {})
 
     blocks = plan(cfg, decoders, prompts)
@@ -253,8 +170,10 @@ def evaluate(cfg: DictConfig, directory, tracker, device: torch.device, processe
         "target_dtype": progress["target_dtype"]["chosen"],
         "target_dtype_choice": progress["target_dtype"],
         "drafter": drafter_path,
+        "drafter_name": None if ev.drafter_path else cfg.drafter.name,
+        "beside": beside_folders(cfg),
         "drafter_dtype": str(decoders.drafter_model.dtype).removeprefix("torch."),
-        "reduced_vocab": vocab_map.drafter_vocab_size - 1 if vocab_map is not None else None,
+        "reduced_vocab": drafters.own[1].drafter_vocab_size - 1 if drafters.own[1] is not None else None,
         "trained_on": cfg.lang.pair,
         "K": ev.num_draft_tokens,
         "draft_confidence": ev.draft_confidence,
@@ -366,7 +285,7 @@ def aggregate(
             for row in block_rows:
                 reference, ids = row["methods"]["target"]["token_ids"], prompts.token_ids[row["prompt"]]
                 for name, method, _ in variants:
-                    if method in EXACT_AT_T0:
+                    if split_method(method)[0] in EXACT_AT_T0:
                         gate.check(
                             {"lang": pair, "id": row["id"], "method": name},
                             reference,
@@ -415,17 +334,21 @@ def threads_per_process(device: torch.device, processes: int):
 
 
 def load_inputs(cfg: DictConfig, drafter_path: str, device: torch.device) -> tuple:
-    """The drafter (fp32, through the tokenizer gate, before any target loads) and its vocab map, the router's
-    drafters, the target's tokenizer and the prompts."""
+    """The drafters (fp32, through the tokenizer gate, before any target loads) with their vocab maps: the eval's,
+    the router's and those beside it; the target's tokenizer and the prompts."""
     ev = cfg.eval
     target_path = model_path(cfg.target, cfg.paths.models_dir)
     if not Path(drafter_path).is_dir():
         raise FileNotFoundError(f"drafter folder {drafter_path} does not exist; set eval.drafter_path to an HF folder")
     router_paths = {lang_config(cfg, pair).lang.src: finetuned_drafter(cfg, pair) for pair in ev.router_langs}
-    for path in (drafter_path, *router_paths.values()):  # a parallel drafter: no K past its training
-        check_parallel_k(AutoConfig.from_pretrained(path), [ev.num_draft_tokens, *ev.k_sweep])
-    drafter_model, vocab_map = load_drafter(drafter_path, target_path, device=device)
-    router_drafters = {src: load_drafter(path, target_path, device=device) for src, path in router_paths.items()}
+    beside_paths = beside_folders(cfg)
+    for path in (drafter_path, *router_paths.values(), *beside_paths.values()):  # a parallel drafter: no K past its
+        check_parallel_k(AutoConfig.from_pretrained(path), [ev.num_draft_tokens, *ev.k_sweep])  # training
+    drafters = Drafters(
+        load_drafter(drafter_path, target_path, device=device),
+        {src: load_drafter(path, target_path, device=device) for src, path in router_paths.items()},
+        {label: load_drafter(path, target_path, device=device) for label, path in beside_paths.items()},
+    )
     tokenizer = load_tokenizer(target_path)
 
     pairs = eval_pairs(cfg)
@@ -441,7 +364,7 @@ def load_inputs(cfg: DictConfig, drafter_path: str, device: torch.device) -> tup
         for _, prompt in by_pair[pair]
     }
     prompts = Prompts(pairs, by_pair, source_pair, token_ids, token_ids[by_pair[cfg.lang.pair][0][1]])
-    return drafter_model, vocab_map, router_drafters, tokenizer, prompts
+    return drafters, tokenizer, prompts
 
 
 def read_rows(path: Path, *shards: Path) -> dict:
@@ -688,14 +611,12 @@ def worker(argv: list[str]) -> None:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(config_file))
         path, device = config_file.parent, resolve_device(cfg.eval.device)
         with threads_per_process(device, processes), preemption_signals() as received:
-            drafter_model, vocab_map, router_drafters, tokenizer, prompts = load_inputs(
-                cfg, cfg.eval.drafter_path, device
-            )
+            drafters, tokenizer, prompts = load_inputs(cfg, cfg.eval.drafter_path, device)
             progress = json.loads((path / PROGRESS).read_text())
             target_model = load_model(
                 model_path(cfg.target, cfg.paths.models_dir), progress["target_dtype"]["chosen"], device
             )
-            decoders = Decoders(cfg, target_model, drafter_model, vocab_map, tokenizer, router_drafters, device)
+            decoders = Decoders(cfg, target_model, drafters, tokenizer, device)
             decoders.k_choice = progress.get("k_choice", {})
             warm_up(cfg, decoders, prompts.first_ids)
             # stop at a preemption signal, or when the stage is gone (a kill -9): a rerun starts its own workers
@@ -790,13 +711,13 @@ def seed_stats(outputs: dict, variants: list, costs: dict) -> dict:
     for name, method, k in variants:
         stats[name]["speedup"] = speedup(stats[name], stats["target"])
         if "alpha" in stats[name]:
-            drafted = method in MODEL_DRAFTED  # a prompt lookup costs next to nothing
+            own = drafter_costs(costs, method)  # None: a prompt lookup, which costs next to nothing
             stats[name]["predicted_speedup"] = predicted_speedup(  # from τ: accepted ÷ drafted is not the formula's α
                 alpha_from_tau(stats[name]["tau"], k),
                 k,
-                costs["c"] if drafted else 0.0,
+                own["c"] if own else 0.0,
                 costs["v"].get(k, 1.0),
-                costs["draft"].get(k) if drafted else None,
+                own["draft"].get(k) if own else None,
             )
     return stats
 
