@@ -291,13 +291,14 @@ def test_drafters_beside_the_evals_own_are_measured_on_the_same_decodes_at_their
 ):
     """The eval's drafter is a random tiny one; beside it the target itself (α = 1), by folder, and tiny-ci by its
     config name (this pair's finetuned tiny-ci drafter: the random one again). Each runs speculative and hybrid on
-    the same prompts and seeds as the eval's own, exact at T=0, with its own c and K, and the report names it."""
+    the same prompts as the eval's own, exact at T=0, with its own c and K, and the report names it."""
     import shutil
 
     base = [
         "recipe=ci",
         f"paths.runs_dir={runs_dir}",
         "eval.num_prompts=1",
+        "eval.temperatures=[0.0]",
         "eval.warmup=1",  # K is chosen per method from the pilot
         "eval.methods=[target,speculative,hybrid]",
         "eval.k_sweep=[4]",
@@ -313,11 +314,9 @@ def test_drafters_beside_the_evals_own_are_measured_on_the_same_decodes_at_their
     beside_methods = ["speculative@self", "hybrid@self", "speculative@again", "hybrid@again"]
     assert metrics["lossless"]["outputs_checked"] == 2 + len(beside_methods)
     assert metrics["lossless"]["exact"] == metrics["lossless"]["outputs_checked"]
-    for t in ("T=0.0", "T=1.0"):
-        summary = metrics["results"]["de-en"][t]["summary"]
-        assert set(beside_methods) <= set(summary), t
-        assert set(beside_methods) <= set(metrics["k_choice"][t]), t  # each at the K its own costs choose
     greedy = metrics["results"]["de-en"]["T=0.0"]["summary"]
+    assert set(beside_methods) <= set(greedy)
+    assert set(beside_methods) <= set(metrics["k_choice"]["T=0.0"])  # each at the K its own costs choose
     assert greedy["speculative@self"]["alpha"]["mean"] == 1.0
     assert greedy["speculative@again"]["alpha"]["mean"] < 1.0
     costs = metrics["costs"]
@@ -325,8 +324,7 @@ def test_drafters_beside_the_evals_own_are_measured_on_the_same_decodes_at_their
     rows = [json.loads(line) for line in (out / "samples.jsonl").open()]
     for row in rows:  # paired: every method of a prompt in the same row, same prompt and seed
         assert set(beside_methods) <= set(row["methods"])
-        if row["temperature"] == 0.0:
-            assert row["methods"]["speculative@self"]["output"] == row["methods"]["target"]["output"]
+        assert row["methods"]["speculative@self"]["output"] == row["methods"]["target"]["output"]
     text = (out / "report.md").read_text()
     assert "| speculative (ours), self |" in text and "| lookup, else drafter (ours), again |" in text
     assert "beside it, paired per decode, `self`" in text
