@@ -14,6 +14,8 @@ max_new_tokens, stop strings and seeds, interleaved prompt by prompt so machine 
 - ``router`` (with ``eval.router_langs``): on a ``mixed`` set of those pairs' held-out prompts, each
   prompt drafted by the finetuned drafter of its detected source language (pipeline/speculative/router.py),
   against ``speculative`` with the one drafter for all
+- ``speculative@<label>`` / ``hybrid@<label>`` (with ``eval.beside``): the same with another drafter, measured
+  beside the eval's own on the same decodes (pipeline/evaluation/methods.py)
 
 Target, drafters and every tensor of a decoding process live on one device (``eval.device``; auto = CUDA
 when one is visible), and every timer waits for that device (pipeline/device.py). The drafters run in the
