@@ -372,7 +372,7 @@ def test_greedy_mismatch_fails_the_stage_in_one_line_after_writing_its_outputs(
     ci_drafter, runs_dir, monkeypatch, capsys
 ):
     """Fault injection: a speculative decode that emits one wrong token must fail the lossless gate."""
-    from pipeline.evaluation import transformers_backend as backend
+    from pipeline.evaluation import methods as backend
     from pipeline.speculative.engine import ModelDrafter
 
     def corrupted(target, ids, max_new_tokens, stop, sampling, drafter=None, **kwargs):
@@ -488,8 +488,21 @@ def test_eval_chooses_target_dtype_and_k_from_measured_costs_and_says_when_no_k_
     ci_drafter, runs_dir, monkeypatch, capsys
 ):
     """Injected costs of a machine where bf16 verifies fastest and no K pays (issue 30's Xeon: v(K) ~2): the eval
-    decodes every method in bf16 (tie-gated), picks K per method, and says in one line why the drafter cannot pay."""
+    decodes every method in bf16 (tie-gated), picks K per method, and says in one line why the drafter cannot pay.
+    Each draft round also sleeps 50 ms, so the decode measures it slower than the target alone on any machine under
+    any load (a bare random drafter measured 1.0x ± noise beside the other test worker)."""
+    import time
+
     from pipeline.evaluation import choices
+    from pipeline.speculative.engine import ModelDrafter
+
+    propose = ModelDrafter.propose
+
+    def slow_propose(self, *args, **kwargs):
+        time.sleep(0.05)
+        return propose(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelDrafter, "propose", slow_propose)
 
     monkeypatch.setattr(choices, "half_precision_dtypes", lambda device: ["bfloat16"])
     monkeypatch.setattr(
