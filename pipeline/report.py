@@ -66,7 +66,7 @@ def drafters_compared(metrics: dict) -> dict:
     out = {}
     for t_key, result in metrics["results"][metrics["trained_on"]].items():
         summary = result["summary"]
-        labels = {own: ""} | {split_method(n)[1]: f"@{split_method(n)[1]}" for n in summary if "@" in n}
+        labels = {own: ""} | {label: f"@{label}" for _, label in map(split_method, summary) if label}
         speedups = {
             label: {m: summary[m + tag]["speedup"]["mean"] for m in ("speculative", "hybrid") if m + tag in summary}
             for label, tag in labels.items()

@@ -78,6 +78,7 @@ class Drafters:
     own: tuple  # (model, vocab map): the eval's drafter
     router: dict  # source language -> (model, vocab map): eval.router_langs' finetuned drafters
     beside: dict  # label -> (model, vocab map): eval.beside's
+    beside_folders: dict  # label -> the folder each of those was loaded from
 
 
 class Decoders:

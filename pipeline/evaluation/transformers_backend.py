@@ -173,7 +173,7 @@ def evaluate(cfg: DictConfig, directory, tracker, device: torch.device, processe
         "target_dtype_choice": progress["target_dtype"],
         "drafter": drafter_path,
         "drafter_name": None if ev.drafter_path else cfg.drafter.name,
-        "beside": beside_folders(cfg),
+        "beside": drafters.beside_folders,
         "drafter_dtype": str(decoders.drafter_model.dtype).removeprefix("torch."),
         "reduced_vocab": drafters.own[1].drafter_vocab_size - 1 if drafters.own[1] is not None else None,
         "trained_on": cfg.lang.pair,
@@ -350,6 +350,7 @@ def load_inputs(cfg: DictConfig, drafter_path: str, device: torch.device) -> tup
         load_drafter(drafter_path, target_path, device=device),
         {src: load_drafter(path, target_path, device=device) for src, path in router_paths.items()},
         {label: load_drafter(path, target_path, device=device) for label, path in beside_paths.items()},
+        beside_paths,
     )
     tokenizer = load_tokenizer(target_path)
 
