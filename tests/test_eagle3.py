@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError
+from pipeline.evaluation.teacher_forced import SharedTeacherForced, TeacherForced, passes
 from pipeline.models.eagle3 import KVCache, TargetFeatures, default_layer_ids, new_head
 from pipeline.models.vocab import VocabMap
+from pipeline.prompts import IGNORE
 from pipeline.speculative.engine import (
     CachedModel,
     LookupThenModelDrafter,
@@ -166,10 +168,35 @@ def test_every_head_config_composes_and_a_standalone_refuses_head_keys():
         compose_config(["recipe=local", "drafter.loss=kd_forward_kl"])
 
 
-def test_scaling_refuses_a_head_in_one_line():
+def test_scaling_refuses_an_on_policy_series_for_a_head_in_one_line():
     from pipeline.config import compose_config
     from pipeline.stages import scaling
 
-    with pytest.raises(ConfigError, match="scores standalone drafters: an eagle3 head's") as error:
-        scaling.run(compose_config(["recipe=ci", "drafter=eagle3-ci"]), None, None)
+    cfg = compose_config(["recipe=ci", "drafter=eagle3-ci", "scaling.series=[pf,f_only_on_policy]"])
+    with pytest.raises(ConfigError, match="f_only_on_policy: an eagle3 head has no on-policy phase") as error:
+        scaling.run(cfg, None, None)
     assert "\n" not in str(error.value)
+
+
+def test_teacher_forced_scores_a_head_where_decoding_drafts_with_it():
+    """Column t of a head's teacher-forced logits (the target's states at t − 1 and token t) is its first draft
+    after a context ending at t, as Eagle3Drafter reads it; a row left-padded beside a longer one changes nothing."""
+    target = llama_target()
+    head = head_for(target)
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (14, 9)]
+    examples = [{"input_ids": ids, "labels": [IGNORE] * 4 + ids[4:]} for ids in rows]
+    scorer = TeacherForced(target, None, examples, pad_id=0, layer_ids=LAYERS)
+    with torch.no_grad():
+        batched = scorer.head_logits(head, 0, *passes(scorer.attention_mask)[0])
+        for row, ids in enumerate(rows):
+            tokens = torch.tensor([ids])
+            _, states = TargetFeatures(target, LAYERS)(target.model, input_ids=tokens)
+            for t in range(1, len(ids)):
+                decoding = model_drafter(head, target=CachedModel(target)).lm
+                first_draft = decoding.read(head.fuse(states[:, :t]), tokens[:, 1 : t + 1], keep=1)[0, -1]
+                column = batched.shape[1] - len(ids) + t
+                assert torch.allclose(batched[row, column], first_draft, atol=1e-5), (row, t)
+    acceptance, agreement = SharedTeacherForced(target, examples, 0).per_token(head, None)
+    assert len(acceptance) == len(agreement) == (14 - 4) + (9 - 4)  # every answer token
+    assert 0 < float(acceptance.mean()) < 1 and set(agreement.tolist()) <= {0.0, 1.0}

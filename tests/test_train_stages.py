@@ -740,6 +740,23 @@ def test_head_finetunes_on_the_pair_and_the_eval_drafts_with_it_losslessly(head_
         assert head["tau"] >= 1 and len(head["acceptance_per_position"]) == 4, head
 
 
+def test_scaling_scores_heads_as_it_scores_standalone_drafters(head_finetuned):
+    """`specdraft scaling` with a head: the pair's finetuned head (P-F on all the data: the fixture's own finetune,
+    reused), one on half the data, and the general (pretrained-only) head, scored from the target's states."""
+    args = [*head_finetuned, "scaling.fractions=[0.5,1]", "scaling.series=[pf]", "scaling.heldout_prompts=2"]
+    args.append("scaling.anchors=[]")
+    assert cli(["scaling", *args]) == 0
+    result = json.loads((stage_dir(compose_config(args), "scaling").path / "scaling.json").read_text())
+    points = result["points"]
+    assert sorted(points) == ["pf@0.5", "pf@1", "pretrained"] and result["drafter"] == "eagle3-ci"
+    assert points["pf@1"]["drafter"] == str(stage_dir(compose_config(head_finetuned), "finetune").path / "drafter")
+    assert [points[f"pf@{f}"]["records"] for f in ("0.5", "1")] == [8, 16]
+    for point in points.values():
+        assert 0 <= point["t0_agreement"]["mean"] <= 1 and 0 < point["t1_acceptance"]["mean"] < 1
+        assert 1 <= point["predicted"]["T0"]["tau"] <= 1 + result["K"]
+    assert result["costs"]["c"] > 0 and "tau_gain_per_doubling" in result["series"]["pf"]
+
+
 def test_vllm_serves_the_exported_head_with_the_targets_own_greedy_outputs(head_finetuned, vllm_server):
     """The export in vLLM's EAGLE-3 format, served by vLLM's eagle3 method beside the ci target (SmolLM2, a Llama):
     its greedy outputs are the target server's (the session's: target_alone_on), and it accepts the drafts our

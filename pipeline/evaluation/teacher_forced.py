@@ -3,8 +3,9 @@ so the figures do not depend on machine load.
 
 The sequences are prompts with the target's greedy answers (``heldout.greedy_heldout_examples``); at every
 answer token the target's distribution p is computed exactly (its full output layer, at those positions only)
-and a drafter's q is read, SCORE_TOKENS tokens per forward and SCORE_CHUNK positions per output layer: the
-target's pass keeps its hidden states, never p over the whole vocabulary at every position. Per token:
+and a drafter's q is read (an EAGLE-3 head's from the target's states at its layers, kept by the same pass),
+SCORE_TOKENS tokens per forward and SCORE_CHUNK positions per output layer: the target's pass keeps its hidden
+states, never p over the whole vocabulary at every position. Per token:
 
 - the expected T=1 acceptance of a draft there, Σ_v min(p_v, q_v) (q is 0 off a reduced vocabulary's ids,
   and its ``unk`` row is never proposed);
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.models.eagle3 import Eagle3Head, TargetFeatures
 from pipeline.models.vocab import VocabMap
 from pipeline.prompts import IGNORE
 
@@ -60,16 +62,24 @@ def passes(attention_mask: torch.Tensor) -> list[tuple[slice, slice]]:
 
 
 @torch.no_grad()
-def hidden_at(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
-    """The model's last hidden states (n, H) at the ``scored`` positions of a left-padded batch, pass by pass."""
-    out = []
+def hidden_at(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, scored: torch.Tensor, features=None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The model's last hidden states (n, H) at the ``scored`` positions of a left-padded batch, pass by pass, and
+    with ``features`` (an EAGLE-3 head's TargetFeatures) each pass's states at the head's layers, (rows, columns,
+    3 x H) at every position: what a head reads."""
+    out, states = [], []
     for rows, columns in passes(attention_mask):
         mask = attention_mask[rows, columns]
-        hidden = model.base_model(
-            input_ids=input_ids[rows, columns], attention_mask=mask, position_ids=position_ids(mask)
-        ).last_hidden_state
+        inputs = {"input_ids": input_ids[rows, columns], "attention_mask": mask, "position_ids": position_ids(mask)}
+        if features is None:
+            hidden = model.base_model(**inputs).last_hidden_state
+        else:
+            output, kept = features(model.base_model, **inputs)
+            hidden = output.last_hidden_state
+            states.append(kept)
         out.append(hidden[scored[rows, columns]])
-    return torch.cat(out)
+    return torch.cat(out), states
 
 
 class TargetDistribution:
@@ -119,7 +129,8 @@ def score(
     """The target's distribution at the ``scored`` positions (a (B, L) mask; position t predicts token t + 1)
     of a left-padded batch of target ids, exactly: its full output layer, at those positions only. For a batch's
     (n, N) loss (on-policy rollouts); scoring many positions, TeacherForced keeps a TargetDistribution instead."""
-    target_distribution = TargetDistribution(target, hidden_at(target, input_ids, attention_mask, scored), vocab)
+    hidden, _ = hidden_at(target, input_ids, attention_mask, scored)
+    target_distribution = TargetDistribution(target, hidden, vocab)
     return TargetScores(target_distribution.log_p(0, len(target_distribution.argmax)), target_distribution.argmax)
 
 
@@ -135,9 +146,15 @@ def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch
 class TeacherForced:
     """Sequences (prompt + the target's greedy answer; labels on the answer) with the target's distribution at
     every answer token, computed once; any drafter is then scored against it, pass by pass (``passes``) and
-    SCORE_CHUNK positions at a time: memory stays bounded however many sequences there are."""
+    SCORE_CHUNK positions at a time: memory stays bounded however many sequences there are.
 
-    def __init__(self, target, vocab: VocabMap | None, examples: list[dict], pad_id: int):
+    With ``layer_ids`` (an EAGLE-3 head's) the target's pass also keeps its states at those layers, and a head is
+    scored where decoding drafts with it: its prediction of token t + 1 reads the target's states at t − 1 and the
+    embedding of token t, the target's distribution there its teacher, as at draft position 1 of a round."""
+
+    def __init__(
+        self, target, vocab: VocabMap | None, examples: list[dict], pad_id: int, layer_ids: list[int] | None = None
+    ):
         rows = [torch.as_tensor(e["input_ids"]) for e in examples]
         labels = [torch.as_tensor(e["labels"]) for e in examples]
         device = next(target.parameters()).device
@@ -147,23 +164,45 @@ class TeacherForced:
         for i, row_labels in enumerate(labels):  # position t predicts label t + 1
             scored[i, scored.shape[1] - len(row_labels) : -1] = (row_labels[1:] != IGNORE).to(device)
         self.scored, self.vocab = scored, vocab
-        self.target = TargetDistribution(target, hidden_at(target, self.input_ids, self.attention_mask, scored), vocab)
+        features = TargetFeatures(target, layer_ids) if layer_ids is not None else None
+        hidden, self.states = hidden_at(target, self.input_ids, self.attention_mask, scored, features)
+        self.target = TargetDistribution(target, hidden, vocab)
+        self.embedding = target.get_input_embeddings()
 
     def __call__(self, drafter) -> dict:
         """Teacher-forced T=1 acceptance Σ min(p, q) and T=0 argmax agreement, averaged over answer tokens."""
         acceptance, agreement = self.per_token(drafter)
         return {"heldout_t1_acceptance": float(acceptance.mean()), "heldout_t0_agreement": float(agreement.mean())}
 
+    def model_logits(self, drafter, index: int, rows: slice, columns: slice) -> torch.Tensor:
+        """A standalone drafter's logits (rows, columns, N) on the pass's tokens (its ids under a vocabulary map)."""
+        ids = self.input_ids[rows, columns]
+        mask = self.attention_mask[rows, columns]
+        ids = self.vocab.encode(ids) if self.vocab is not None else ids
+        return drafter(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+
+    def head_logits(self, head: Eagle3Head, index: int, rows: slice, columns: slice) -> torch.Tensor:
+        """A head's logits (rows, columns, N): column t from the target's states at t − 1 and token t (one draft
+        step; the padding is a segment of its own, never attended to); column 0 predicts nothing scored."""
+        ids, mask, dtype = self.input_ids[rows, columns], self.attention_mask[rows, columns], head.dtype
+        out = head.rollout(
+            head.fuse(self.states[index][:, :-1].to(dtype)),
+            [self.embedding(ids[:, 1:]).to(dtype)],
+            position_ids(mask)[:, :-1],
+            segment_ids=mask[:, :-1],
+        )[0]
+        logits = head.logits(out)
+        return torch.cat([logits[:, :1].new_zeros(logits[:, :1].shape), logits], dim=1)
+
     @torch.no_grad()
     def per_token(self, drafter) -> tuple[torch.Tensor, torch.Tensor]:
         """Σ_v min(p_v, q_v) and whether the drafter's argmax is the target's, at every answer token."""
         was_training = drafter.training
         drafter.eval()
-        ids = self.vocab.encode(self.input_ids) if self.vocab is not None else self.input_ids
+        logits_of = self.head_logits if isinstance(drafter, Eagle3Head) else self.model_logits
         acceptance, agreement, start = [], [], 0
-        for rows, columns in passes(self.attention_mask):
-            mask = self.attention_mask[rows, columns]
-            logits = drafter(input_ids=ids[rows, columns], attention_mask=mask, position_ids=position_ids(mask)).logits
+        for index, (rows, columns) in enumerate(passes(self.attention_mask)):
+            logits = logits_of(drafter, index, rows, columns)
             for chunk in logits[self.scored[rows, columns]].split(SCORE_CHUNK):
                 stop = start + len(chunk)
                 log_q = drafter_log_probs(chunk, self.vocab)
@@ -177,13 +216,14 @@ class TeacherForced:
 
 
 class SharedTeacherForced:
-    """One ``TeacherForced`` per vocabulary map: drafters that share a map share the target's pass."""
+    """One ``TeacherForced`` per vocabulary map and head layers: drafters that share both share the target's pass."""
 
     def __init__(self, target, examples: list[dict], pad_id: int):
         self.target, self.examples, self.pad_id, self.by_map = target, examples, pad_id, {}
 
     def per_token(self, drafter, vocab: VocabMap | None) -> tuple[torch.Tensor, torch.Tensor]:
-        key = None if vocab is None else tuple(vocab.target_ids.tolist())
+        layer_ids = list(drafter.config.aux_layer_ids) if isinstance(drafter, Eagle3Head) else None
+        key = (None if vocab is None else tuple(vocab.target_ids.tolist()), layer_ids and tuple(layer_ids))
         if key not in self.by_map:
-            self.by_map[key] = TeacherForced(self.target, vocab, self.examples, self.pad_id)
+            self.by_map[key] = TeacherForced(self.target, vocab, self.examples, self.pad_id, layer_ids)
         return self.by_map[key].per_token(drafter)

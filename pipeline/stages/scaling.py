@@ -11,7 +11,9 @@ Finished runs are reused, so an interrupted study resumes at its first unfinishe
 Each drafter, and the pretrained drafter alone (the paper's generic-drafter baseline), is measured teacher-
 forced on the first ``scaling.heldout_prompts`` of the eval stage's held-out prompts, read with the target's
 greedy answers: per answer token, the T=0 agreement of the argmaxes and the T=1 acceptance Σ min(p, q), with
-standard errors. Under the i.i.d. model of Leviathan et al. a per-token acceptance a predicts
+standard errors. An EAGLE-3 head (``drafter=eagle3-*``) is scored the same way from the target's states at its
+layers, where decoding drafts with it (pipeline/evaluation/teacher_forced.py); it has no on-policy series.
+Under the i.i.d. model of Leviathan et al. a per-token acceptance a predicts
 τ = (1 − a^(K+1)) / (1 − a) and the speedup τ / (K·c + v(K)), with c and v(K) measured here once (every point
 has the same drafter architecture) with the models as the eval serves them: the target in the dtype the eval
 would choose on this machine, the drafter in the target's. The ``scaling.anchors`` also run the eval stage
@@ -46,7 +48,13 @@ from pipeline.prompts import IGNORE
 from pipeline.report import summary_of
 from pipeline.rundir import StageDir, make_command, stage_dir
 from pipeline.runner import run_stage
-from pipeline.speculative.engine import CachedModel, expected_tokens, predicted_speedup, step_costs
+from pipeline.speculative.engine import (
+    CachedModel,
+    expected_tokens,
+    model_drafter,
+    predicted_speedup,
+    step_costs,
+)
 from pipeline.speculative.metrics import mean_and_standard_error
 from pipeline.tracking import Tracker
 
@@ -166,7 +174,8 @@ def served_costs(cfg: DictConfig, target_path: str, device: torch.device, drafte
     (pipeline/evaluation/choices.py), the drafter in the target's; one drafter stands for all (the same
     architecture). The first measurement is a warm-up."""
     choice, target = choose_target_dtype(cfg, target_path, device, first_ids, who="scaling")
-    lms = CachedModel(target), CachedModel(drafter.to(target.dtype), vocab)
+    served_target = CachedModel(target)
+    lms = served_target, model_drafter(drafter.to(target.dtype), vocab, target=served_target).lm
     step_costs(*lms, first_ids, [cfg.eval.num_draft_tokens], repetitions=2)
     return step_costs(*lms, first_ids, [cfg.eval.num_draft_tokens]) | {"dtype": choice["chosen"]}
 
@@ -269,10 +278,12 @@ def table(result: dict) -> str:
 
 def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
     """Finetunes, anchors, measures, scaling.json, scaling.png and scaling.txt in the scaling directory."""
-    if cfg.drafter.architecture == EAGLE3:  # its teacher-forced score needs the target's states: not built yet
-        raise ConfigError("make scaling scores standalone drafters: an eagle3 head's data scaling is not built yet")
     started = time.time()
     retry, sc = make_command(cfg, "scaling"), cfg.scaling
+    if cfg.drafter.architecture == EAGLE3 and (aligned := [s for s in sc.series if SERIES[ScalingSeries(s)][1]]):
+        raise ConfigError(
+            f"scaling.series has {', '.join(aligned)}: an eagle3 head has no on-policy phase; keep pf and f_only"
+        )
     points = [Point(ScalingSeries(s), float(f)) for s in sc.series for f in sorted(sc.fractions)]
     found = drafters(cfg, points, retry)
     anchors = anchor_evals(cfg, found, retry)
