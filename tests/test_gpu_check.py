@@ -59,6 +59,7 @@ def test_gpu_check_runs_every_part_at_tiny_shapes_and_writes_the_json(tmp_path, 
     report = next(tmp_path.glob("*/report.md")).read_text()
     assert "| costs/step_costs | measured |" in report
     assert all(section in report for section in ("## Engine", "## Training", "## Ties"))
+    assert "None" not in report and "Peak memory: not measured (no CUDA allocator)" in report
     # A second command merges its parts into the same JSON.
     assert cli.main(["gpu-check", "--out", str(tmp_path), "--parts", "clocks"]) == 0
     assert set(result_of(tmp_path)["results"]) == set(result["results"])

@@ -226,13 +226,19 @@ def headline(key: str, figures: dict) -> str:
     return ""
 
 
+def gib(value) -> str:
+    """A peak memory figure, or why there is none (a CPU has no allocator that counts its peak)."""
+    return "not measured (no CUDA allocator)" if value is None else f"{value} GiB"
+
+
 def report(result: dict) -> str:
     env = result["environment"]
     lines = [
         f"# gpu-check: {env['device_name']}",
         "",
         f"{env['shapes']} shapes{' (--quick)' if env.get('quick') else ''} on {env['device']}; torch {env['torch']} "
-        f"(CUDA {env['cuda']}), transformers {env['transformers']}, accelerate {env['accelerate']}, CPU {env['cpu']}.",
+        f"(CUDA {env['cuda'] or 'none: a CPU build'}), transformers {env['transformers']}, "
+        f"accelerate {env['accelerate']}, CPU {env['cpu']}.",
         "",
         "| check | status | seconds |",
         "|---|---|---|",
@@ -259,7 +265,7 @@ def report(result: dict) -> str:
         ]
         lines += [
             "",
-            f"Peak memory: {costs.get('peak_memory_gib')} GiB. A drafter of acceptance alpha gives "
+            f"Peak memory: {gib(costs.get('peak_memory_gib'))}. A drafter of acceptance alpha gives "
             "(1 - alpha^(K+1)) / (1 - alpha) / (K c + v(K)): below 1, no drafter of that cost pays at that K.",
         ]
     engine = result["results"].get("engine/engine_vs_transformers", {}).get("figures")
@@ -284,12 +290,12 @@ def report(result: dict) -> str:
             "",
             "## Training",
             "",
-            "| variant | ms/step | tokens/s | warm-up s | compilation s | pays after steps | peak GiB |",
+            "| variant | ms/step | tokens/s | warm-up s | compilation s | pays after steps | peak memory |",
             "|---|---|---|---|---|---|---|",
         ]
         lines += [
             f"| {name} | {v['ms_per_step']} | {v['tokens_per_s']} | {v['warmup_s']} | {v.get('compilation_s', '')} | "
-            f"{v.get('pays_after_steps', '')} | {v['peak_memory_gib']} |"
+            f"{v.get('pays_after_steps', '')} | {gib(v['peak_memory_gib'])} |"
             if "ms_per_step" in v
             else f"| {name} | {v.get('error', v)} | | | | | |"
             for name, v in training.items()
