@@ -179,24 +179,27 @@ def test_scaling_refuses_an_on_policy_series_for_a_head_in_one_line():
 
 
 def test_teacher_forced_scores_a_head_where_decoding_drafts_with_it():
-    """Column t of a head's teacher-forced logits (the target's states at t − 1 and token t) is its first draft
-    after a context ending at t, as Eagle3Drafter reads it; a row left-padded beside a longer one changes nothing."""
+    """A head's teacher-forced logits at answer position t (the target's states at t − 1 and token t) are its
+    first draft after a context ending at t, as Eagle3Drafter reads it; a row left-padded beside a longer one
+    changes nothing; an answer from a row's first token, where a head cannot draft, is one line."""
     target = llama_target()
     head = head_for(target)
     g = torch.Generator().manual_seed(0)
     rows = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (14, 9)]
-    examples = [{"input_ids": ids, "labels": [IGNORE] * 4 + ids[4:]} for ids in rows]
+    examples = [{"input_ids": ids, "labels": [IGNORE] * 2 + ids[2:]} for ids in rows]
     scorer = TeacherForced(target, None, examples, pad_id=0, layer_ids=LAYERS)
     with torch.no_grad():
-        batched = scorer.head_logits(head, 0, *passes(scorer.attention_mask)[0])
-        for row, ids in enumerate(rows):
+        batched = iter(scorer.head_logits(head, 0, *passes(scorer.attention_mask)[0]))
+        for ids in rows:
             tokens = torch.tensor([ids])
             _, states = TargetFeatures(target, LAYERS)(target.model, input_ids=tokens)
-            for t in range(1, len(ids)):
+            for t in range(1, len(ids) - 1):  # every position that predicts an answer token
                 decoding = model_drafter(head, target=CachedModel(target)).lm
                 first_draft = decoding.read(head.fuse(states[:, :t]), tokens[:, 1 : t + 1], keep=1)[0, -1]
-                column = batched.shape[1] - len(ids) + t
-                assert torch.allclose(batched[row, column], first_draft, atol=1e-5), (row, t)
+                assert torch.allclose(next(batched), first_draft, atol=1e-5), (ids, t)
+        assert next(batched, None) is None
     acceptance, agreement = SharedTeacherForced(target, examples, 0).per_token(head, None)
-    assert len(acceptance) == len(agreement) == (14 - 4) + (9 - 4)  # every answer token
+    assert len(acceptance) == len(agreement) == (14 - 2) + (9 - 2)  # every answer token
     assert 0 < float(acceptance.mean()) < 1 and set(agreement.tolist()) <= {0.0, 1.0}
+    with pytest.raises(ValueError, match="start each answer after its row's first"):
+        TeacherForced(target, None, [{"input_ids": rows[0], "labels": rows[0]}], pad_id=0, layer_ids=LAYERS)

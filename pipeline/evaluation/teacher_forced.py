@@ -163,6 +163,8 @@ class TeacherForced:
         scored = torch.zeros_like(self.attention_mask, dtype=torch.bool)
         for i, row_labels in enumerate(labels):  # position t predicts label t + 1
             scored[i, scored.shape[1] - len(row_labels) : -1] = (row_labels[1:] != IGNORE).to(device)
+        if layer_ids is not None and any(len(row) > 1 and row[1] != IGNORE for row in labels):
+            raise ValueError("a head drafts once the target has read a token: start each answer after its row's first")
         self.scored, self.vocab = scored, vocab
         features = TargetFeatures(target, layer_ids) if layer_ids is not None else None
         hidden, self.states = hidden_at(target, self.input_ids, self.attention_mask, scored, features)
@@ -175,24 +177,26 @@ class TeacherForced:
         return {"heldout_t1_acceptance": float(acceptance.mean()), "heldout_t0_agreement": float(agreement.mean())}
 
     def model_logits(self, drafter, index: int, rows: slice, columns: slice) -> torch.Tensor:
-        """A standalone drafter's logits (rows, columns, N) on the pass's tokens (its ids under a vocabulary map)."""
+        """A standalone drafter's logits (n, N) at the pass's scored positions (its ids under a vocabulary map)."""
         ids = self.input_ids[rows, columns]
         mask = self.attention_mask[rows, columns]
         ids = self.vocab.encode(ids) if self.vocab is not None else ids
-        return drafter(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+        return drafter(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits[
+            self.scored[rows, columns]
+        ]
 
     def head_logits(self, head: Eagle3Head, index: int, rows: slice, columns: slice) -> torch.Tensor:
-        """A head's logits (rows, columns, N): column t from the target's states at t − 1 and token t (one draft
-        step; the padding is a segment of its own, never attended to); column 0 predicts nothing scored."""
+        """A head's logits (n, N) at the pass's scored positions through its own ``forward``: position t's from the
+        target's states at t − 1 and token t (one draft step; the padding is a segment of its own, never attended
+        to), and no output layer at the prompt's positions."""
         ids, mask, dtype = self.input_ids[rows, columns], self.attention_mask[rows, columns], head.dtype
-        out = head.rollout(
-            head.fuse(self.states[index][:, :-1].to(dtype)),
+        return head(
+            self.states[index][:, :-1].to(dtype),
             [self.embedding(ids[:, 1:]).to(dtype)],
             position_ids(mask)[:, :-1],
+            [self.scored[rows, columns][:, 1:]],
             segment_ids=mask[:, :-1],
         )[0]
-        logits = head.logits(out)
-        return torch.cat([logits[:, :1].new_zeros(logits[:, :1].shape), logits], dim=1)
 
     @torch.no_grad()
     def per_token(self, drafter) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,8 +206,7 @@ class TeacherForced:
         logits_of = self.head_logits if isinstance(drafter, Eagle3Head) else self.model_logits
         acceptance, agreement, start = [], [], 0
         for index, (rows, columns) in enumerate(passes(self.attention_mask)):
-            logits = logits_of(drafter, index, rows, columns)
-            for chunk in logits[self.scored[rows, columns]].split(SCORE_CHUNK):
+            for chunk in logits_of(drafter, index, rows, columns).split(SCORE_CHUNK):
                 stop = start + len(chunk)
                 log_q = drafter_log_probs(chunk, self.vocab)
                 acceptance.append(torch.minimum(log_q.exp(), self.target.log_p(start, stop).exp()).sum(-1))
