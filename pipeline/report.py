@@ -288,9 +288,17 @@ def k_line(metrics: dict) -> str:
     pilot = next(iter(next(iter(choice.values())).values())).get("pilot_prompts")
     source = f"the τ of untimed decodes of {pilot} prompts" if pilot else "the warm-up's τ"
     return f"K chosen before decoding from the measured costs and {source}: " + "; ".join(
-        f"{t_key}: " + ", ".join(f"{method_name(m)} {c['k']}" for m, c in by_method.items())
+        f"{t_key}: " + ", ".join(f"{method_name(m)} {c['k']}" for m, c in by_method.items()) + hybrid_ks(by_method)
         for t_key, by_method in choice.items()
     )
+
+
+def hybrid_ks(by_method: dict) -> str:
+    """Hybrid's K per part where the eval chose none for it: its lookup rounds at prompt lookup's, its drafter's
+    at speculative's (an eval before that chose one K for hybrid, listed with the others)."""
+    if "hybrid" in by_method or not {"pld", "speculative"} <= by_method.keys():
+        return ""
+    return f" ({method_name('hybrid')}: lookup {by_method['pld']['k']}, drafter {by_method['speculative']['k']})"
 
 
 def dtype_line(metrics: dict) -> str:

@@ -139,12 +139,23 @@ def test_no_k_pays_names_an_autoregressive_drafters_k_steps_and_a_parallel_draft
 
 
 def test_the_pilot_decodes_the_first_prompts_of_the_pair_with_their_own_seeds_by_each_drafting_variant():
+    """Prompt lookup too at each K of the sweep: hybrid's lookup rounds run at its K, and hybrid has none of its own."""
     calls = []
+    cfg = OmegaConf.merge(EVAL, {"eval": {"methods": ["target", "speculative", "pld", "hybrid"], "k_sweep": [2]}})
 
     class Decoders:
         def variants(self, first_pass, pair, t):
             assert first_pass and pair == "de-en"
-            return [("target", "target", 4), ("speculative", "speculative", 4), ("speculative_k2", "speculative", 2)]
+            return [
+                ("target", "target", 4),
+                ("speculative", "speculative", 4),
+                ("pld", "pld", 4),
+                ("hybrid", "hybrid", 4),
+                ("speculative_k2", "speculative", 2),
+            ]
+
+        def k(self, t, method):
+            return 4
 
         def decode(self, method, k, ids, sampling, seed):
             calls.append((sampling.temperature, method, k, ids, seed))
@@ -153,8 +164,9 @@ def test_the_pilot_decodes_the_first_prompts_of_the_pair_with_their_own_seeds_by
     prompts = SimpleNamespace(
         by_pair={"de-en": [(None, f"prompt {i}") for i in range(9)]}, token_ids={f"prompt {i}": i for i in range(9)}
     )
-    out = pilot(EVAL, Decoders(), prompts)
-    assert set(out) == {(t, name) for t in (0.0, 1.0) for name in ("speculative", "speculative_k2")}
+    out = pilot(cfg, Decoders(), prompts)
+    names = ("speculative", "speculative_k2", "pld", "pld_k2")
+    assert set(out) == {(t, name) for t in (0.0, 1.0) for name in names}
     assert all(len(generations) == PILOT_PROMPTS > 1 for generations in out.values())
     assert calls[:PILOT_PROMPTS] == [(0.0, "speculative", 4, i, prompt_seed(7, i)) for i in range(PILOT_PROMPTS)]
 

@@ -105,6 +105,25 @@ def test_lookup_then_model_drafts_from_the_context_where_it_matches():
     assert out.tokens == reference
 
 
+def test_hybrid_drafts_each_part_at_its_own_k_and_never_past_max_new_tokens():
+    """Lookup's copies at lookup_k, the model's guesses at the round's K, exact at T=0; no round drafts past the
+    last token max_new_tokens allows."""
+    target = CachedModel(llama(0))
+    reference = full_greedy(target.model, PROMPT, 30)
+    drafter = LookupThenModelDrafter(PromptLookupDrafter(VOCAB), ModelDrafter(llama(1)), lookup_k=4)
+    copied = drafter.propose(torch.tensor([[1, 5, 9, 13, 22, 3, 5]]), 1, Sampling(), None)[0]
+    assert copied.tolist() == [[9, 13, 22, 3]]  # "5" recurs: 4 tokens copied
+    assert drafter.propose(torch.tensor([[1, 2, 3]]), 1, Sampling(), None)[0].shape[1] == 1  # no match: the model's
+    drafter.reset()
+    out = generate(target, PROMPT, 30, NO_STOP, drafter=drafter, k=1)
+    assert out.tokens == reference and max(out.drafted) == 4 and 1 in out.drafted
+    for max_new_tokens in range(1, 8):
+        short = generate(target, PROMPT, max_new_tokens, NO_STOP, drafter=drafter, k=1)
+        assert short.tokens == reference[:max_new_tokens]
+        emitted_before = [sum(n + 1 for n in short.accepted[:i]) for i in range(len(short.drafted))]
+        assert all(before + drafted < max_new_tokens for before, drafted in zip(emitted_before, short.drafted))
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_drafter_equal_to_target_accepts_everything(temperature):
     model = llama(0)

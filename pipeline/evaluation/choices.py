@@ -28,7 +28,8 @@ from pipeline.speculative.metrics import method_stats
 from pipeline.speculative.sampler import Sampling
 
 MODEL_DRAFTED = ("speculative", "hybrid", "router")  # the methods that pay drafter steps
-K_CHOSEN = ("speculative", "pld", "hybrid")  # the methods whose K the pilot chooses (the router takes speculative's)
+# the methods whose K the pilot chooses: the router and hybrid take speculative's, hybrid's lookup rounds pld's
+K_CHOSEN = ("speculative", "pld")
 # Held-out prompts the pilot decodes: τ pooled over several answers. One prompt chose K=0 where 16 measured
 # 1.12x (issue 41: τ 1.00 on it, 1.25 over all); 4 cost the local recipe's demo ~15% more decodes.
 PILOT_PROMPTS = 4
@@ -83,14 +84,21 @@ def warm_up(cfg: DictConfig, decoders, first_ids: torch.Tensor) -> None:
 
 
 def pilot(cfg: DictConfig, decoders, prompts) -> dict:
-    """Untimed decodes of every drafting variant the first pass runs (each K) at every temperature, over the
+    """Untimed decodes of every drafting variant the first pass runs (each K) and, where prompt lookup or hybrid
+    runs, of prompt lookup at each K of the sweep (they cost a target's decodes; lookup's acceptances come in
+    runs that the i.i.d. formula's extrapolation from one K underrates), at every temperature, over the
     pair's first PILOT_PROMPTS held-out prompts with the seeds their measured decodes have: (temperature,
     variant) -> [Generation]."""
     ev, out = cfg.eval, {}
     first = prompts.by_pair[cfg.lang.pair][:PILOT_PROMPTS]
     for t in ev.temperatures:
         sampling = Sampling(t, ev.top_k, ev.top_p)
-        for name, method, k in decoders.variants(first_pass=True, pair=cfg.lang.pair, t=t):
+        variants = decoders.variants(first_pass=True, pair=cfg.lang.pair, t=t)
+        if any(m in ev.methods for m in ("pld", "hybrid")):  # hybrid's lookup rounds run at prompt lookup's K
+            own = decoders.k(t, "pld")
+            variants = [v for v in variants if v[1] != "pld"]
+            variants += [("pld" if k == own else f"pld_k{k}", "pld", k) for k in sorted({own, *ev.k_sweep})]
+        for name, method, k in variants:
             if split_method(method)[0] in K_CHOSEN:
                 out[t, name] = [
                     decoders.decode(method, k, prompts.token_ids[prompt], sampling, prompt_seed(ev.seeds[0], index))
@@ -158,6 +166,14 @@ def choose_ks(cfg: DictConfig, pilot_decodes: dict, costs: dict, device: torch.d
                 picked["no_k_pays"] = no_k_pays(method, k, c, costs["v"][k], picked["tau"][k], machine, one_forward)
             choice.setdefault(f"T={t}", {})[method] = picked
     return choice
+
+
+def chosen_k_line(t_key: str, by_method: dict) -> str:
+    """The K chosen per method at one temperature, with each pilot τ, and what hybrid's rounds run at."""
+    line = f"K at {t_key}: " + ", ".join(f"{m} {c['k']} (τ {c['tau'][c['k']]:.2f})" for m, c in by_method.items())
+    if "pld" in by_method and "speculative" in by_method:
+        line += f"; hybrid: lookup rounds K {by_method['pld']['k']}, drafter rounds K {by_method['speculative']['k']}"
+    return line
 
 
 def check_ks(metrics: dict) -> dict:

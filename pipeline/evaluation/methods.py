@@ -105,12 +105,8 @@ class Decoders:
 
         self.drafter = drafter_of(drafter_model, vocab_map)
         self.pld = PromptLookupDrafter(target_model.config.vocab_size)
-        self.hybrid = LookupThenModelDrafter(self.pld, self.drafter)
         self.beside = {label: drafter_of(model, vocab) for label, (model, vocab) in drafters.beside.items()}
-        # label (None: the eval's own drafter) -> its speculative and its hybrid drafter
-        self.drafting = {None: (self.drafter, self.hybrid)} | {
-            label: (drafter, LookupThenModelDrafter(self.pld, drafter)) for label, drafter in self.beside.items()
-        }
+        self.drafting = {None: self.drafter} | self.beside  # label (None: the eval's own drafter) -> its drafter
         self.stop = stop_condition(cfg.target, tokenizer, target_model)
         self.hf_assisted = vocab_map is None and getattr(self.drafter, "target_features", None) is None
         self.router = LanguageRouter(
@@ -119,9 +115,12 @@ class Decoders:
         self.k_choice: dict = {}  # "T=<t>" -> method -> costs.choose_k's record (eval.choose_k)
 
     def k(self, t: float, method: str) -> int:
-        """The method's K at temperature t: chosen from the measured costs, else eval.num_draft_tokens; the router
-        and transformers' assisted generation take the speculative method's."""
-        method = "speculative" if method in ("router", "hf_assisted") else method
+        """The method's K at temperature t: chosen from the measured costs, else eval.num_draft_tokens; the router,
+        transformers' assisted generation and hybrid take their drafter's speculative method's (hybrid's lookup
+        rounds prompt lookup's: ``decode``)."""
+        base, label = split_method(method)
+        if base in ("router", "hf_assisted", "hybrid"):
+            method = "speculative" + (f"@{label}" if label else "")
         return self.k_choice.get(f"T={t}", {}).get(method, {}).get("k", self.cfg.eval.num_draft_tokens)
 
     def variants(self, first_pass: bool, pair: str, t: float) -> list[tuple[str, str, int]]:
@@ -148,7 +147,8 @@ class Decoders:
                 self.device,
             )
         base, label = split_method(method)
-        speculative, hybrid = self.drafting[label]
+        speculative = self.drafting[label]
+        hybrid = LookupThenModelDrafter(self.pld, speculative, self.k(sampling.temperature, "pld"))
         drafters = {"target": None, "speculative": speculative, "pld": self.pld, "hybrid": hybrid, "router": routed}
         drafter = drafters[base]
         generator = torch.Generator(device=self.device).manual_seed(seed)

@@ -8,7 +8,8 @@ max_new_tokens, stop strings and seeds, interleaved prompt by prompt so machine 
 - ``speculative``: our engine with the drafter and K = eval.num_draft_tokens (and each K of eval.k_sweep at T=0);
   with eval.draft_confidence > 0 a round drafts fewer than K when the drafter is unsure (also in hybrid, router)
 - ``pld``: prompt-lookup decoding, n-gram drafts from the context, no model (the paper's PLD row)
-- ``hybrid``: prompt lookup in rounds where the context has a match, the drafter in the others
+- ``hybrid``: prompt lookup in rounds where the context has a match (at prompt lookup's K), the drafter in the
+  others (at speculative's)
 - ``hf`` / ``hf_assisted``: transformers' generate, plain and with the drafter as assistant_model (K
   drafts per round, constant schedule, no confidence cut); assisted needs a full-vocabulary causal LM
 - ``router`` (with ``eval.router_langs``): on a ``mixed`` set of those pairs' held-out prompts, each
@@ -66,6 +67,7 @@ from pipeline.evaluation.choices import (
     check_ks,
     choose_ks,
     choose_target_dtype,
+    chosen_k_line,
     drafter_costs,
     measure_costs,
     pilot,
@@ -246,11 +248,7 @@ def start_session(
         flush=True,
     )
     for t_key, by_method in decoders.k_choice.items():
-        print(
-            f"eval: K at {t_key}: "
-            + ", ".join(f"{m} {c['k']} (τ {c['tau'][c['k']]:.2f})" for m, c in by_method.items()),
-            flush=True,
-        )
+        print(f"eval: {chosen_k_line(t_key, by_method)}", flush=True)
         for choice in by_method.values():
             if "no_k_pays" in choice:
                 print(f"eval: {t_key} {choice['no_k_pays']}", flush=True)

@@ -100,6 +100,12 @@ class Draft(NamedTuple):
     )
     vocab_map: VocabMap | None = None  # probs' columns are this map's N target ids
 
+    def first(self, n: int) -> Draft:
+        """The proposal's first n tokens: a draft's prefix is a draft, verified as exactly."""
+        if self.tokens.shape[1] <= n:
+            return self
+        return Draft(self.tokens[:, :n], None if self.probs is None else self.probs[:, :n], self.vocab_map)
+
 
 class ModelDrafter:
     """Proposes up to K tokens autoregressively from a (possibly reduced-vocabulary) drafter model.
@@ -305,17 +311,21 @@ class LookupThenModelDrafter:
     """Prompt lookup where the context offers an n-gram match, the drafter model elsewhere: translations
     copy names, numbers and code from the prompt, which lookup drafts for free and a small drafter often
     misses, while the drafter covers the rounds with no match. Each round's proposal comes from one of the
-    two, chosen from the context alone, so verification stays exact."""
+    two, chosen from the context alone, so verification stays exact.
 
-    def __init__(self, lookup: PromptLookupDrafter, model: ModelDrafter):
-        self.lookup, self.model = lookup, model
+    Each part drafts at its own K: the round's K is the model's, ``lookup_k`` (None: the round's too) the
+    lookup's, whose copies often run on where a model's guesses stop paying (the local recipe's K = 4 against 1:
+    docs/results/2026-11-29-hybrid-k-per-part-de-en.md)."""
+
+    def __init__(self, lookup: PromptLookupDrafter, model: ModelDrafter, lookup_k: int | None = None):
+        self.lookup, self.model, self.lookup_k = lookup, model, lookup_k
         self.target_features = getattr(model, "target_features", None)
 
     def reset(self) -> None:
         self.model.reset()
 
     def propose(self, sequence, k, sampling, generator):
-        draft = self.lookup.propose(sequence, k, sampling, generator)
+        draft = self.lookup.propose(sequence, self.lookup_k or k, sampling, generator)
         if draft.tokens.shape[1] > 0:
             return draft
         return self.model.propose(sequence, k, sampling, generator)
@@ -402,10 +412,12 @@ def generate(
     prompt_len = prompt_ids.shape[1]
     result = Generation(tokens=[], finish_reason="length")
     while len(result.tokens) < max_new_tokens:
-        # Never draft past max_new_tokens: the round's bonus token is the last one allowed.
-        k_round = min(k, max_new_tokens - len(result.tokens) - 1) if drafter is not None else 0
+        # Never draft past max_new_tokens: the round's bonus token is the last one allowed (a hybrid's lookup
+        # part drafts at its own K, cut here too).
+        room = max_new_tokens - len(result.tokens) - 1
+        k_round = min(k, room) if drafter is not None else 0
         draft = (
-            drafter.propose(sequence, k_round, sampling, generator)
+            drafter.propose(sequence, k_round, sampling, generator).first(room)
             if k_round > 0
             else Draft(sequence.new_zeros((1, 0)))
         )
