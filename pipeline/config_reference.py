@@ -293,6 +293,9 @@ def markdown(recipe: str = RECIPE) -> str:
         "Dry run (`+dry_run=on`, `conf/dry_run/on.yaml`): the recipe's four stages in minutes on a tiny stand-in "
         "target. Launch configs (`train.pretrain.launch`, `train.finetune.launch`, files in `recipes/launch/`): "
         + ", ".join(f"`{p.stem}`" for p in sorted((config.RECIPES_DIR / "launch").glob("*.yaml")))
+        + ". How the local recipe trains a drafter where that differs from its `train` section (files in "
+        "`recipes/local_drafters/`, named by the drafter, applied when it is chosen; the command line still wins): "
+        + ", ".join(f"`{p.stem}`" for p in sorted((config.RECIPES_DIR / "local_drafters").glob("*.yaml")))
         + ".",
         "",
     ]

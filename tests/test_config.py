@@ -67,12 +67,16 @@ def test_every_group_option_composes(group):
     recipe_keys = [key for key, _ in leaves({k: v for k, v in recipe.items() if k != "defaults"})]
     for option in options(group):
         composed = OmegaConf.to_container(compose_config([f"{group}={option}"]), resolve=True, enum_to_str=True)[group]
+        own_way = RECIPES_DIR / "local_drafters" / f"{option}.yaml"  # how the recipe trains this drafter
+        set_here = recipe_keys + (
+            [key for key, _ in leaves(OmegaConf.to_container(OmegaConf.load(own_way)))] if own_way.is_file() else []
+        )
         chosen = OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{option}.yaml"))
         chosen.pop("defaults", None)  # Hydra's list of what the option extends, not a value
         checked = 0
         for key, value in leaves(chosen):
             full = f"{group}.{key}"
-            if any(k == full or k.startswith(f"{full}.") or full.startswith(f"{k}.") for k in recipe_keys):
+            if any(k == full or k.startswith(f"{full}.") or full.startswith(f"{k}.") for k in set_here):
                 continue  # the recipe's own value wins
             node = composed
             for part in key.split("."):
@@ -80,6 +84,19 @@ def test_every_group_option_composes(group):
             assert holds(node, value), f"{group}={option}: {key} is {node!r}, not {value!r}"
             checked += 1
         assert checked >= 1, (group, option)
+
+
+def test_a_recipe_trains_a_drafter_its_own_way_where_it_says_so():
+    """recipes/local_drafters/: the local recipe's head F-only at lr 1e-3 with one TTT step, its standalone
+    drafters P-F at 5e-4, another recipe's head as that recipe trains; the command line wins over both."""
+    head = compose_config(["drafter=eagle3-gemma3"])
+    assert (head.train.finetune.mode, head.train.finetune.lr, head.drafter.ttt_steps) == ("finetune_only", 1e-3, 1)
+    standalone = compose_config(["drafter=tiny-7m"])
+    assert (standalone.train.finetune.mode, standalone.train.finetune.lr) == ("pretrain_finetune", 5e-4)
+    mine = compose_config(["drafter=eagle3-gemma3", "train.finetune.mode=pretrain_finetune", "drafter.ttt_steps=3"])
+    assert (mine.train.finetune.mode, mine.train.finetune.lr, mine.drafter.ttt_steps) == ("pretrain_finetune", 1e-3, 3)
+    paper = compose_config(["recipe=paper-gemma", "drafter=eagle3-gemma3"])
+    assert (paper.train.finetune.mode, paper.drafter.ttt_steps) == ("pretrain_finetune", 3)
 
 
 def test_paper_recipes_carry_the_paper_settings():

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from pipeline.config import EVAL_METHODS, ConfigError, DrafterConfig, option_file, options
+from pipeline.config import EVAL_METHODS, ConfigError, compose_config, options
 from pipeline.evaluation.heldout import stop_condition
 from pipeline.rundir import StageInputError, make_command, stage_dir
 from pipeline.speculative.engine import (
@@ -57,15 +57,14 @@ def beside_folders(cfg: DictConfig) -> dict[str, str]:
         if entry not in options("drafter"):
             valid = ", ".join(options("drafter"))
             raise ConfigError(f"eval.beside: {entry} is neither a folder nor a drafter config ({valid})")
-        other = cfg.copy()
-        other.drafter = OmegaConf.merge(
-            OmegaConf.structured(DrafterConfig), OmegaConf.load(option_file("drafter", entry))
-        )
+        # composed anew: the recipe may train that drafter its own way (recipes/local_drafters/)
+        shared = [given for given in cfg.overrides if not given.startswith(("drafter=", "drafter."))]
+        other = compose_config([f"recipe={cfg.recipe}", f"lang={cfg.lang.pair}", *shared, f"drafter={entry}"])
         finetune = stage_dir(other, "finetune", check_inputs=False)
         if not finetune.is_complete():
             raise StageInputError(
                 f"eval.beside needs the {entry} drafter finetuned on {cfg.lang.pair}, and {finetune.path} "
-                f"is not complete: run `{make_command(other, 'finetune', (f'drafter={entry}',))}` first"
+                f"is not complete: run `{make_command(other, 'finetune')}` first"
             )
         folders[label] = str(finetune.path / "drafter")
     return folders
