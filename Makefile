@@ -48,7 +48,7 @@ help: ## this list
 	@echo "  ARGS='k=v ...'     config overrides, e.g. ARGS='eval.num_prompts=20 train.finetune.lr=1e-4'"
 	@echo "  CONFIG_DIR=<dir>   your own configs, laid out like conf/ (target/, lang/, ..., recipes/)"
 	@echo "  DEMO_LANGS='a b'   pairs make demo runs (default de-en; e.g. 'de-en fr-en')"
-	@echo "  DEMO_BESIDE='d'    drafters make demo also trains and measures beside the recipe's, paired (e.g. tiny-7m)"
+	@echo "  DEMO_BESIDE='d'    drafters make demo also trains and measures beside the recipe's, paired (e.g. eagle3-gemma3)"
 	@echo "  GPU_CHECK_PARTS=a,b        make gpu-check runs only these parts (default all; docs/gpu-check.md); GPU_CHECK_SHAPES=tiny|real"
 	@echo "  GPU_CHECK_QUICK=1          make gpu-check --quick (~3.7 min on an H100, estimated); GPU_CHECK_PYTHON=python3: no venv (a GPU machine offline)"
 	@echo "  BENCH_DTYPE=<dtype>  make bench measures the recipe's target (and training) in float32, bfloat16 or float16 (default: the recipe's)"
@@ -141,11 +141,12 @@ dry-run: ## RECIPE's four stages in minutes, before any GPU hour: a tiny random-
 DEMO_LANGS ?= de-en
 DEMO_BESIDE ?=
 space := $(subst ,, )
-# the eval's drafters beside the recipe's own: DEMO_BESIDE's, trained first (pretrain, finetune) for each pair
+# the eval's drafters beside the recipe's own: DEMO_BESIDE's, trained (pretrain, finetune) after each pair's distill
 DEMO_ARGS = $(ARGS)$(if $(DEMO_BESIDE), eval.beside=[$(subst $(space),$(comma),$(strip $(DEMO_BESIDE)))])
-demo: install ## the local recipe end to end on this CPU for DEMO_LANGS (default de-en), then the result table; DEMO_BESIDE='tiny-7m' also trains those drafters and measures them beside, paired per decode
+demo: install ## the local recipe end to end on this CPU for DEMO_LANGS (default de-en), then the result table; DEMO_BESIDE='eagle3-gemma3' also trains those drafters and measures them beside, paired per decode
 	@started=$$(date +%s); \
 	for pair in $(DEMO_LANGS); do \
+	$(MAKE) --no-print-directory distill RECIPE=local LANG_PAIR=$$pair ARGS="$(ARGS)" || exit 1; \
 	for other in $(DEMO_BESIDE); do $(MAKE) --no-print-directory pretrain finetune RECIPE=local LANG_PAIR=$$pair \
 	ARGS="$(ARGS) drafter=$$other" || exit 1; done; \
 	$(MAKE) --no-print-directory all RECIPE=local LANG_PAIR=$$pair ARGS="$(DEMO_ARGS)" || exit 1; done; \

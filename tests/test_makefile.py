@@ -41,6 +41,22 @@ def test_children_see_a_valid_locale():
         assert "Cannot set" not in result.stderr
 
 
+def test_demo_distills_each_pair_before_it_trains_the_drafters_beside():
+    """DEMO_BESIDE's drafters finetune on the pair's distilled data: from a fresh clone the distill comes first,
+    then theirs, then the recipe's drafter, its eval with them beside, and the report."""
+    result = make("-n", "demo", "DEMO_BESIDE=eagle3-gemma3", "RUN=echo run")  # -n prints the stages, the report runs
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    stages = [
+        line.split()[2] + (" beside" if "drafter=eagle3-gemma3" in line else "")
+        for line in lines
+        if line.startswith("echo run ") and " report " not in line
+    ]
+    assert stages == ["distill", "pretrain beside", "finetune beside", "distill", "pretrain", "finetune", "eval"]
+    evals = [line for line in lines if line.startswith(("echo run eval ", "run report "))]
+    assert len(evals) == 2 and all("eval.beside=[eagle3-gemma3]" in line for line in evals), evals
+
+
 def test_unknown_lang_fails_in_one_line_through_make():
     result = make("config", "LANG=xx-yy")
     assert result.returncode != 0
