@@ -766,7 +766,9 @@ def test_vllm_serves_the_exported_head_with_the_targets_own_greedy_outputs(head_
     vocab = VocabMap.load(stage_dir(compose_config(head_finetuned), "finetune").path / "drafter")
     assert AutoConfig.from_pretrained(folder).eagle_aux_hidden_state_layer_ids == [2, 15, 27]
     assert torch.equal(load_file(folder / "model.safetensors")["d2t"] + torch.arange(2048), vocab.target_ids)
-    assert '"method": "eagle3"' in (folder / "README.md").read_text()
+    readme = (folder / "README.md").read_text()
+    assert '"method": "eagle3"' in readme
+    assert f"eval.engine=vllm eval.drafter_path={folder.resolve()} eval.temperatures=[0]'" in readme  # runs here
     # serve-bench's ladder serves the head as it serves a standalone drafter: the export's speculative_config
     cfg = compose_config(head_finetuned)
     assert serve_bench.exported_config(cfg, stage_dir(cfg, "serve-bench")) == {

