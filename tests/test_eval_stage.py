@@ -363,12 +363,17 @@ def test_drafters_beside_are_checked(ci_cfg, runs_dir):
 def test_a_drafter_beside_is_found_where_its_own_training_put_it(runs_dir):
     """The eval's head trains F-only (recipes/local_drafters/), the standalone beside it P-F: the eval finds the
     standalone's finetune made its own way, not one under the head's settings."""
+    from pipeline.errors import StageInputError
     from pipeline.evaluation.methods import beside_folders
 
     runs = f"paths.runs_dir={runs_dir}"
     finetuned(compose_config([runs, "drafter=tiny-7m"]), lambda folder: folder.mkdir())
     cfg = compose_config([runs, "drafter=eagle3-gemma3", "eval.beside=[tiny-7m]"])
     assert beside_folders(cfg) == {"tiny-7m": str(runs_dir / "gemma3-270m/tiny-7m/local/de-en/finetune/drafter")}
+    # a drafter beside made with other settings than those the eval names is not compared as if it were: one line
+    cfg = compose_config([runs, "drafter=eagle3-gemma3", "eval.beside=[tiny-7m]", "train.finetune.epochs=1"])
+    with pytest.raises(StageInputError, match=r"tiny-7m's current config and inputs, but it was made with other ones"):
+        beside_folders(cfg)
 
 
 def test_router_langs_are_checked(ci_cfg, runs_dir, capsys):

@@ -47,7 +47,7 @@ def split_method(name: str) -> tuple[str, str | None]:
 def beside_folders(cfg: DictConfig) -> dict[str, str]:
     """eval.beside's drafters as folders by label (LABEL:ENTRY, or a drafter config as its own label): a folder as
     given; a drafter config (conf/drafter/) as that drafter's finetuned drafter of this pair under this recipe, which
-    must be complete."""
+    must be complete and made with that drafter's config here (its own training settings, recipes/local_drafters/)."""
     folders = {}
     for item in cfg.eval.beside:
         label, _, entry = item.partition(":") if ":" in item else (item, "", item)
@@ -65,6 +65,11 @@ def beside_folders(cfg: DictConfig) -> dict[str, str]:
             raise StageInputError(
                 f"eval.beside needs the {entry} drafter finetuned on {cfg.lang.pair}, and {finetune.path} "
                 f"is not complete: run `{make_command(other, 'finetune')}` first"
+            )
+        if finetune.recorded_hash() != finetune.config_hash:  # compared as made, not a stale drafter in its place
+            raise StageInputError(
+                f"eval.beside needs {finetune.path} for {entry}'s current config and inputs, but it was made with "
+                f"other ones ({finetune.changed_contents()}): run `{make_command(other, 'finetune')}` with force=true"
             )
         folders[label] = str(finetune.path / "drafter")
     return folders
