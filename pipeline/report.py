@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from pipeline.errors import StageInputError
-from pipeline.evaluation.choices import check_ks
+from pipeline.evaluation.choices import check_ks, hybrid_ks
 from pipeline.evaluation.methods import split_method
 from pipeline.rundir import MARKER, VLLM_EVAL, make_command, stage_dir
 from pipeline.speculative.costs import cost_line
@@ -288,17 +288,15 @@ def k_line(metrics: dict) -> str:
     pilot = next(iter(next(iter(choice.values())).values())).get("pilot_prompts")
     source = f"the τ of untimed decodes of {pilot} prompts" if pilot else "the warm-up's τ"
     return f"K chosen before decoding from the measured costs and {source}: " + "; ".join(
-        f"{t_key}: " + ", ".join(f"{method_name(m)} {c['k']}" for m, c in by_method.items()) + hybrid_ks(by_method)
+        f"{t_key}: " + ", ".join(f"{method_name(m)} {c['k']}" for m, c in by_method.items()) + hybrid_parts(by_method)
         for t_key, by_method in choice.items()
     )
 
 
-def hybrid_ks(by_method: dict) -> str:
-    """Hybrid's K per part where the eval chose none for it: its lookup rounds at prompt lookup's, its drafter's
-    at speculative's (an eval before that chose one K for hybrid, listed with the others)."""
-    if "hybrid" in by_method or not {"pld", "speculative"} <= by_method.keys():
-        return ""
-    return f" ({method_name('hybrid')}: lookup {by_method['pld']['k']}, drafter {by_method['speculative']['k']})"
+def hybrid_parts(by_method: dict) -> str:
+    """Hybrid's K per part, where it has one (choices.hybrid_ks), for the K line."""
+    parts = hybrid_ks(by_method)
+    return f" ({method_name('hybrid')}: lookup {parts[0]}, drafter {parts[1]})" if parts else ""
 
 
 def dtype_line(metrics: dict) -> str:

@@ -168,11 +168,20 @@ def choose_ks(cfg: DictConfig, pilot_decodes: dict, costs: dict, device: torch.d
     return choice
 
 
+def hybrid_ks(by_method: dict) -> tuple[int, int] | None:
+    """Hybrid's K per part at one temperature, (lookup rounds', drafter rounds'): prompt lookup's and the
+    speculative method's; None where K was chosen for neither, or for hybrid itself (an eval before its parts had
+    their own, whose K is listed with the others)."""
+    if "hybrid" in by_method or not {"pld", "speculative"} <= by_method.keys():
+        return None
+    return by_method["pld"]["k"], by_method["speculative"]["k"]
+
+
 def chosen_k_line(t_key: str, by_method: dict) -> str:
     """The K chosen per method at one temperature, with each pilot τ, and what hybrid's rounds run at."""
     line = f"K at {t_key}: " + ", ".join(f"{m} {c['k']} (τ {c['tau'][c['k']]:.2f})" for m, c in by_method.items())
-    if "pld" in by_method and "speculative" in by_method:
-        line += f"; hybrid: lookup rounds K {by_method['pld']['k']}, drafter rounds K {by_method['speculative']['k']}"
+    if parts := hybrid_ks(by_method):
+        line += f"; hybrid: lookup rounds K {parts[0]}, drafter rounds K {parts[1]}"
     return line
 
 

@@ -122,9 +122,9 @@ class Decoders:
         """The method's K at temperature t: chosen from the measured costs, else eval.num_draft_tokens; the router,
         transformers' assisted generation and hybrid take their drafter's speculative method's (hybrid's lookup
         rounds prompt lookup's: ``decode``)."""
-        base, label = split_method(method)
+        base, _ = split_method(method)
         if base in ("router", "hf_assisted", "hybrid"):
-            method = "speculative" + (f"@{label}" if label else "")
+            method = "speculative" + method.removeprefix(base)  # hybrid@tiny-7m -> speculative@tiny-7m
         return self.k_choice.get(f"T={t}", {}).get(method, {}).get("k", self.cfg.eval.num_draft_tokens)
 
     def variants(self, first_pass: bool, pair: str, t: float) -> list[tuple[str, str, int]]:
