@@ -127,6 +127,48 @@ def test_a_float32_head_trains_on_a_bfloat16_targets_states_without_autocast(tmp
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in head.parameters() if p.requires_grad)
 
 
+@pytest.mark.parametrize("make", [llama_target, gemma_target])
+def test_an_example_seen_again_takes_its_states_from_the_cache_not_the_target(tmp_path, make):
+    """train.*.target_cache_gb: the target runs once per example; another epoch's batch of the same examples (here
+    packed first, then padded one per row in another order) gets the loss the target's own forward gives, without
+    the target; a cache too small for an example keeps running the target."""
+    from pipeline.config import Loss
+    from pipeline.training.data import Collator
+    from pipeline.training.eagle3 import head_objective
+
+    target = make()
+    target.save_pretrained(tmp_path / "target")
+    head = head_for(target).train()
+    g = torch.Generator().manual_seed(0)
+    examples = [{"input_ids": torch.randint(3, VOCAB, (n,), generator=g).tolist()} for n in (7, 12, 5, 9)]
+    examples = [e | {"labels": [IGNORE] * 2 + e["input_ids"][2:]} for e in examples]
+    packed, padded = Collator(0, None, pack_length=16)(examples), Collator(0, None)(examples[::-1])
+    assert packed["input_ids"].shape[0] < len(examples)  # two examples share a row
+
+    def objective(cache_gb):
+        made = head_objective(str(tmp_path / "target"), head, None, Loss.kd_forward_kl, 2, "float32", cache_gb)
+        return lambda batch: made(head, {k: v for k, v in batch.items() if k != "keep"}, 0)
+
+    online, cached, starved = objective(0.0), objective(1.0), objective(1e-9)
+    expected = online(padded)
+    for run in (cached, starved):
+        run(packed)
+    counts = {}
+    for name, run in (("cached", cached), ("starved", starved)):
+        calls = []  # forwards of the target's decoder stack (LlamaModel, Gemma3TextModel), loaded inside the objective
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda module, args, out: calls.append(1) if type(module).__name__.endswith("Model") else None
+        )
+        try:
+            total, positions, _, parts = run(padded)
+        finally:
+            handle.remove()
+        counts[name] = len(calls)
+        assert torch.allclose(total, expected[0], rtol=1e-4), (name, total, expected[0])
+        assert torch.equal(parts[:, 1], expected[3][:, 1]) and positions == expected[1]
+    assert counts == {"cached": 0, "starved": 1}
+
+
 @pytest.mark.parametrize("ids", [[1, 2, 9], [1, 1, 2], [0, 1], [-1, 1, 2]])
 def test_wrong_layer_ids_are_one_line(ids):
     with pytest.raises(ConfigError, match=r"aux_layer_ids=.* must be 3 distinct layer ids in 0\.\.4") as error:

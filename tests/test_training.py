@@ -23,7 +23,7 @@ from pipeline.training import loop, losses
 from pipeline.training.data import Collator, TokenStrings, pack, record_example
 from pipeline.training.launch import MetricsLog, read_metrics
 from pipeline.workers import EXIT_PREEMPTED
-from tests.helpers import tiny_llama
+from tests.helpers import tiny_gemma3, tiny_llama
 
 VOCAB = 32
 
@@ -414,26 +414,32 @@ def prompted_examples(lengths: list[int], seed: int = 0) -> list[dict]:
     return examples
 
 
-def tiny_gemma(seed: int = 0):
-    from transformers import GemmaConfig, GemmaForCausalLM
+def tiny_causal_lm(family: str, **config):
+    """A one-off causal LM of a transformers family (Gemma, Mistral), 32 wide, seeded."""
+    import transformers
 
-    torch.manual_seed(seed)
-    return GemmaForCausalLM(
-        GemmaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            max_position_embeddings=64,
-            pad_token_id=0,
-        )
-    )
+    torch.manual_seed(0)
+    shape = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    settings = dict(vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, **shape, **config)
+    return getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**settings))
 
 
-@pytest.mark.parametrize("architecture", [tiny_model, tiny_gemma])  # the paper drafters' model classes
+def tiny_gemma():
+    return tiny_causal_lm("Gemma", num_hidden_layers=1)
+
+
+def tiny_mistral():
+    """Every layer slides, over a window of 4: shorter than most examples below."""
+    return tiny_causal_lm("Mistral", num_hidden_layers=2, sliding_window=4)
+
+
+def tiny_sliding_gemma3():
+    return tiny_gemma3(0, VOCAB, ["sliding_attention", "full_attention"])
+
+
+# the paper drafters' model classes, and models whose layers slide (windows shorter than the examples: transformers
+# takes a prepared mask as given, so the window must be in it)
+@pytest.mark.parametrize("architecture", [tiny_model, tiny_gemma, tiny_mistral, tiny_sliding_gemma3])
 def test_packed_batch_has_the_losses_of_its_examples_run_one_by_one(architecture):
     """Block-diagonal attention and positions from 0 per example: no example sees another, on SDPA as built."""
     model = architecture().eval()

@@ -504,6 +504,10 @@ class FinetuneConfig(TrainConfig):
     # pack each micro-batch's examples into rows of max_length tokens, each attending to itself only (block
     # diagonal): a GPU computes thousands of tokens, not a few padded rows; the loss is the unpacked one
     pack: bool = False
+    # eagle3 heads: keep each example's target states in host memory (4 x hidden values a token in the target's
+    # dtype), up to this many GB per process, so its later epochs skip the target's forward; 0: the target runs
+    # every step (a 7B target's states are 32 KB a token in bf16)
+    target_cache_gb: float = field(default=0.0, metadata=AT_LEAST_0)
     on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
 
     @staticmethod

@@ -48,7 +48,7 @@ from pipeline.models.eagle3 import Eagle3Head
 from pipeline.models.vocab import PARD_TOKEN, VocabMap
 from pipeline.prompts import IGNORE
 from pipeline.training import eagle3, parallel_draft
-from pipeline.training.data import Collator, block_causal_mask, label_coverage, token_counts
+from pipeline.training.data import Collator, label_coverage, packed_attention_mask, token_counts
 from pipeline.training.losses import loss_sum
 from pipeline.workers import EXIT_PREEMPTED, preemption_signals
 
@@ -189,7 +189,9 @@ def supervised_objective(loss: Loss) -> Callable:
         # Nothing here reads a device value on the host: the step never waits for the GPU.
         packed = {}
         if "segment_ids" in batch:
-            packed = {"attention_mask": block_causal_mask(batch["segment_ids"]), "position_ids": batch["position_ids"]}
+            config = getattr(model, "module", model).config  # under DDP or DeepSpeed: the wrapped model's
+            mask = packed_attention_mask(config, batch["segment_ids"])
+            packed = {"attention_mask": mask, "position_ids": batch["position_ids"]}
         keep = batch["keep"]
         logits = model(input_ids=batch["input_ids"], logits_to_keep=keep, **packed).logits
         targets = {k: shift(batch[k], nothing)[:, keep] for k, nothing in NOTHING.items() if k in batch}
@@ -461,7 +463,9 @@ def train_drafter(
             )
         collate = Collator(tokenizer.pad_token_id, None, pack_length)  # head and target read target ids
         dtype = eagle3.target_dtype(autocast_precision(tc.mixed_precision.value), target_dtype)
-        objective = eagle3.head_objective(target_path, model, vocab, Loss(drafter.loss), drafter.ttt_steps, dtype)
+        objective = eagle3.head_objective(
+            target_path, model, vocab, Loss(drafter.loss), drafter.ttt_steps, dtype, tc.get("target_cache_gb", 0.0)
+        )
     elif tc.parallel_draft.enabled:
         mask_id = None  # a reduced vocabulary's mask, or one the drafter already has, needs no choosing
         if vocab is None and getattr(model.config, PARD_TOKEN, None) is None:
