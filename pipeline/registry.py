@@ -1,8 +1,9 @@
 """What each stage is, in one place: the stage runner (pipeline/runner.py), the run-directory contract
 (pipeline/rundir.py: hashes and inputs) and the CLI's help all read it.
 
-A stage's module ``pipeline.stages.<name>`` exposes ``run(cfg, directory, tracker) -> counts``; the runner
-takes the stage's lock, begins its directory, opens its tracker, calls it and marks the directory complete.
+A stage's module ``pipeline.stages.<name>`` exposes ``run(cfg, directory, tracker) -> counts``, and may expose
+``refuse(cfg)`` (refusals that depend on the machine, raised before anything is begun); the runner takes the
+stage's lock, begins its directory, opens its tracker, calls it and marks the directory complete.
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 benches and the GPU check all run a stage through ``run_stage``.
 
 In order: the Slurm GPU check and the hub going offline once `make prepare` cached what the stage takes; the
-stage's exclusive lock beside its run directory, taken before anything is moved or begun and held until COMPLETE
-(a second run is refused in one line naming the holder); the directory begun (or the complete stage skipped);
-the tracker; the stage's ``run``; the manifest's counts and the completion marker.
+stage's own refusals that depend on this machine (its module's ``refuse(cfg)``, where it has one: nothing is begun,
+so nothing needs ``force=true`` after); the stage's exclusive lock beside its run directory, taken before anything
+is moved or begun and held until COMPLETE (a second run is refused in one line naming the holder); the directory
+begun (or the complete stage skipped); the tracker; the stage's ``run``; the manifest's counts and the completion
+marker.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ def run_stage(name: str, cfg: DictConfig) -> StageDir:
     check_slurm_gpus()  # before any work: a CPU build on a GPU node ends here, in one line
     offline_when_prepared(cfg)
     module = importlib.import_module(stage.module)
+    if hasattr(module, "refuse"):  # refusals that need this machine, before any folder is begun
+        module.refuse(cfg)
     directory = stage_dir(cfg, name)
     with directory.claim():
         if not directory.begin(cfg, force=cfg.force):

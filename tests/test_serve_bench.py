@@ -258,10 +258,10 @@ def test_bad_inputs_are_one_line_before_any_server(tmp_path, smollm_path, canned
     finished_finetune(compose_config(overrides(runs_dir)), smollm_path)  # finetuned, never exported
     err = refusal(["serve-bench", *overrides(runs_dir)], capsys)
     assert "serve-bench needs the export output" in err and "run `make export LANG=de-en RECIPE=ci" in err
-    err = refusal(
-        ["serve-bench", *overrides(runs_dir, "serve_bench.methods=[target]", "serve_bench.temperature=1")], capsys
-    )
+    sampled = overrides(runs_dir, "serve_bench.methods=[target]", "serve_bench.temperature=1")
+    err = refusal(["serve-bench", *sampled], capsys)
     assert "the CPU ladder is greedy" in err and "serve_bench.temperature=0" in err
+    assert not stage_dir(compose_config(sampled), "serve-bench", check_inputs=False).path.exists()  # nothing begun
     err = refusal(["serve-bench", *overrides(runs_dir, "serve_bench.mixed_langs=[xx-yy]")], capsys)
     assert "serve_bench.mixed_langs: unknown xx-yy; valid: " in err
     assert measured == []

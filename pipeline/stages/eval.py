@@ -17,6 +17,14 @@ from omegaconf import DictConfig
 from pipeline.workers import exit_on_preemption
 
 
+def refuse(cfg: DictConfig) -> None:
+    """The backend's refusals that come before the run directory is begun (nothing written, nothing to force)."""
+    if cfg.eval.engine == "vllm":
+        from pipeline.evaluation import vllm_backend
+
+        vllm_backend.refuse(cfg)
+
+
 @exit_on_preemption("eval: stopped; every finished prompt is kept: run the same command again to measure the rest")
 def run(cfg: DictConfig, directory, tracker) -> dict:
     if cfg.eval.engine == "vllm":

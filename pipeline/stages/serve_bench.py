@@ -44,7 +44,6 @@ import os
 from pathlib import Path
 
 import matplotlib
-import torch
 from omegaconf import DictConfig
 
 from pipeline.config import ConfigError, ServeMethod
@@ -59,7 +58,7 @@ from pipeline.models.provision import load_tokenizer, model_path
 from pipeline.prompts import prompt_ids, stop_string_token_ids, stop_strings, stop_token_ids
 from pipeline.rundir import StageDir, make_command
 from pipeline.serving.client import TargetClient
-from pipeline.serving.server import VLLMServer, target_server
+from pipeline.serving.server import VLLMServer, samples_correctly, target_server
 from pipeline.tracking import Tracker
 
 matplotlib.use("Agg")
@@ -608,10 +607,14 @@ def verdict(levels: dict[int, dict]) -> str:
     return f"stops paying at concurrency {stop} ({levels[stop]['speedup']:.2f}×; {peak})"
 
 
+def refuse(cfg: DictConfig) -> None:
+    """What is refused before the folder is begun: sampling where vLLM samples wrong."""
+    if cfg.serve_bench.temperature > 0 and not samples_correctly():
+        raise ConfigError(CPU_GREEDY_ONLY)
+
+
 def run(cfg: DictConfig, directory: StageDir, tracker: Tracker) -> dict:
     sb = cfg.serve_bench
-    if sb.temperature > 0 and not torch.cuda.is_available():
-        raise ConfigError(CPU_GREEDY_ONLY)
     import vllm
 
     target_path = model_path(cfg.target, cfg.paths.models_dir)
