@@ -129,9 +129,9 @@ def test_a_float32_head_trains_on_a_bfloat16_targets_states_without_autocast(tmp
 
 @pytest.mark.parametrize("make", [llama_target, gemma_target])
 def test_an_example_seen_again_takes_its_states_from_the_cache_not_the_target(tmp_path, make):
-    """train.*.target_cache_gb: the target runs once per example; another epoch's batch of the same examples (here
-    packed first, then padded one per row in another order) gets the loss the target's own forward gives, without
-    the target; a cache too small for an example keeps running the target."""
+    """train.finetune.target_cache_gb: the target runs once per example; another epoch's batch of the same examples
+    (here packed first, then padded one per row in another order) gets the loss the target's own forward gives,
+    without the target; a cache too small for an example keeps running the target."""
     from pipeline.config import Loss
     from pipeline.training.data import Collator
     from pipeline.training.eagle3 import head_objective
