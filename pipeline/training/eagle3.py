@@ -138,8 +138,10 @@ def head_objective(
         labels, select, draft_labels, teachers = batch["labels"], [], [], []
         with torch.no_grad():
             hidden = target.config.get_text_config().hidden_size
-            spans = StateCache.spans(batch["attention_mask"], segments) if cache is not None else []
-            cached = cache.lookup(ids, spans, (*ids.shape, 4 * hidden), ids.device) if cache is not None else None
+            cached = None
+            if cache is not None:
+                spans = StateCache.spans(batch["attention_mask"], segments)
+                cached = cache.lookup(ids, spans, (*ids.shape, 4 * hidden), ids.device)
             if cached is None:
                 out, states = features(target.model, **inputs)
                 final = out.last_hidden_state  # after the final norm: the teacher's input
