@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from pipeline.config import compose_config
+from pipeline.config import REPO_ROOT, compose_config
 from pipeline.errors import ModelNotFoundError
 from pipeline.models.provision import CHECKSUMS, load_model, load_tokenizer, verify_checksums
 from pipeline.prompts import build_prompt
@@ -76,3 +79,27 @@ def test_a_packaged_gguf_whose_sha256_is_not_the_pinned_one_is_never_converted(t
     assert {path.name for path in tmp_path.iterdir()} <= {"smollm2-135m.lock"}  # no folder, no partial one
     assert len(compose_config(["target=smollm2-135m"]).target.gguf_sha256) == 64
     assert len(compose_config(["target=gemma3-270m"]).target.gguf_sha256) == 64
+
+
+def test_a_gguf_converts_to_the_same_tokenizer_files_whether_the_hub_is_off_or_not(tmp_path):
+    """transformers records the hub's offline mode in a saved tokenizer_config.json: converted on a hub-free node
+    and on a login node, one GGUF would fingerprint as two targets and every later stage would read as stale
+    (seen on a GPU machine, 2026-11-29)."""
+    target = compose_config(["target=smollm2-135m"]).target
+    script = (
+        "import sys; from pathlib import Path; from pipeline.models.provision import gguf_tokenizer, packaged_gguf; "
+        "gguf = packaged_gguf(sys.argv[1], sys.argv[2], Path(sys.argv[3])); "
+        "gguf_tokenizer(gguf, None).save_pretrained(sys.argv[3])"
+    )
+    saved = {}
+    for offline in ("1", "0"):
+        folder = tmp_path / f"offline-{offline}"
+        env = {**os.environ, "HF_HUB_OFFLINE": offline}
+        subprocess.run(
+            [sys.executable, "-c", script, target.path, target.gguf_file, str(folder)],
+            env=env,
+            check=True,
+            cwd=REPO_ROOT,
+        )
+        saved[offline] = {name: (folder / name).read_bytes() for name in ("tokenizer_config.json", "tokenizer.json")}
+    assert saved["1"] == saved["0"]

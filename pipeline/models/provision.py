@@ -246,13 +246,24 @@ def packaged_gguf(package: str, filename: str | None, work_dir: Path) -> Path:
     return Path(module.assemble(work_dir / name))
 
 
-def convert_gguf(gguf: Path, out_dir: Path, dtype: str, add_bos_token: bool | None) -> None:
-    """GGUF -> HF folder (safetensors + tokenizer). The dequantized weights are saved as ``dtype``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def gguf_tokenizer(gguf: Path, add_bos_token: bool | None):
+    """The GGUF's tokenizer as a converted folder saves it: the same files whether the hub is off or not."""
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # from_pretrained records the hub's offline mode, which tokenizer_config.json would keep: the same GGUF converted
+    # on a hub-free node and on a login node would fingerprint as two targets, and every stage after as stale
+    tokenizer.init_kwargs.pop("local_files_only", None)
     if add_bos_token is not None:
         tokenizer.add_bos_token = add_bos_token
+    return tokenizer
+
+
+def convert_gguf(gguf: Path, out_dir: Path, dtype: str, add_bos_token: bool | None) -> None:
+    """GGUF -> HF folder (safetensors + tokenizer). The dequantized weights are saved as ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = gguf_tokenizer(gguf, add_bos_token)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, dtype))
     # The weights are already float; save_pretrained refuses models that still carry the GGUF quantizer.
     if getattr(model, "hf_quantizer", None) is not None:
