@@ -42,19 +42,28 @@ def test_children_see_a_valid_locale():
 
 
 def test_demo_distills_each_pair_before_it_trains_the_drafters_beside():
-    """DEMO_BESIDE's drafters finetune on the pair's distilled data: from a fresh clone the distill comes first,
-    then theirs, then the recipe's drafter, its eval with them beside, and the report."""
-    result = make("-n", "demo", "DEMO_BESIDE=eagle3-gemma3", "RUN=echo run")  # -n prints the stages, the report runs
+    """The demo's drafter is the EAGLE-3 head, the standalone drafter measured beside it; the drafters beside
+    finetune on the pair's distilled data: from a fresh clone the distill comes first, then theirs, then the demo's
+    drafter, its eval with them beside, and the report. DEMO_DRAFTER and DEMO_BESIDE choose others, or none beside."""
+    result = make("-n", "demo", "RUN=echo run")  # -n prints the stages, the report runs
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     stages = [
-        line.split()[2] + (" beside" if "drafter=eagle3-gemma3" in line else "")
+        line.split()[2] + (" beside" if "drafter=tiny-7m" in line else "")
         for line in lines
         if line.startswith("echo run ") and " report " not in line
     ]
     assert stages == ["distill", "pretrain beside", "finetune beside", "distill", "pretrain", "finetune", "eval"]
     evals = [line for line in lines if line.startswith(("echo run eval ", "run report "))]
-    assert len(evals) == 2 and all("eval.beside=[eagle3-gemma3]" in line for line in evals), evals
+    assert len(evals) == 2, evals
+    assert all("drafter=eagle3-gemma3" in line and "eval.beside=[tiny-7m]" in line for line in evals), evals
+
+    plain = make("-n", "demo", "RUN=echo run", "DEMO_DRAFTER=tiny-7m", "DEMO_BESIDE=")
+    assert plain.returncode == 0, plain.stderr
+    runs = [line for line in plain.stdout.splitlines() if line.startswith(("echo run ", "run report "))]
+    stages = [line.split()[2] for line in runs if line.startswith("echo run ") and " report " not in line]
+    assert stages == ["distill", "distill", "pretrain", "finetune", "eval"]
+    assert not any("eval.beside" in line for line in runs) and "drafter=tiny-7m" in runs[-1], runs
 
 
 def test_unknown_lang_fails_in_one_line_through_make():
