@@ -84,7 +84,7 @@ def test_a_packaged_gguf_whose_sha256_is_not_the_pinned_one_is_never_converted(t
 def test_a_gguf_converts_to_the_same_tokenizer_files_whether_the_hub_is_off_or_not(tmp_path):
     """transformers records the hub's offline mode in a saved tokenizer_config.json: converted on a hub-free node
     and on a login node, one GGUF would fingerprint as two targets and every later stage would read as stale
-    (seen on a GPU machine, 2026-11-29)."""
+    (seen rehearsing a GPU run, 2026-11-29)."""
     target = compose_config(["target=smollm2-135m"]).target
     script = (
         "import sys; from pathlib import Path; from pipeline.models.provision import gguf_tokenizer, packaged_gguf; "
