@@ -20,10 +20,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from pipeline.config import ModelSource, SourceKind
+from pipeline.config import ModelSource, SourceKind, lang_config
 from pipeline.data.sources import cached_sources, hub_sources, load_sources
 from pipeline.durable import write_atomic
-from pipeline.evaluation.heldout import lang_config
 from pipeline.models.drafter import published_weights
 from pipeline.models.provision import (
     NotPreparedError,

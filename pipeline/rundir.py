@@ -44,7 +44,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.config import REPO_ROOT, ConfigError, SourceKind, last_of_each_key
+from pipeline.config import REPO_ROOT, ConfigError, SourceKind, compose_config, lang_config, last_of_each_key, options
 from pipeline.durable import write_atomic
 from pipeline.errors import StageConflictError, StageInputError
 from pipeline.models.drafter import published_weights
@@ -349,7 +349,8 @@ def prompts_file(cfg: DictConfig) -> Path | None:
 def input_contents(cfg: DictConfig, stage: str) -> dict[str, str]:
     """The fingerprints (provision.fingerprint) of what a stage reads besides its input stages: the target's
     weights (every stage), the drafter's published weights, the prompts file (distill, and eval's held-out prompts)
-    and eval.drafter_path. A hub id without a revision is taken at the commit the HF cache holds, as loaded."""
+    and eval.drafter_path, and the drafters an eval measures beside its own or routes to (retrained in place, their
+    folders keep their paths). A hub id without a revision is taken at the commit the HF cache holds, as loaded."""
     contents = {"target weights": model_fingerprint(cfg.target, cfg.paths.models_dir)}
     if "drafter" in registered(stage).sections and (weights := published_weights(cfg.drafter)):
         contents["drafter weights"] = fingerprint(weights if is_local(weights) else hub_snapshot(weights, None))
@@ -359,7 +360,57 @@ def input_contents(cfg: DictConfig, stage: str) -> dict[str, str]:
         if not Path(cfg.eval.drafter_path).is_dir():
             raise ConfigError(f"eval.drafter_path {cfg.eval.drafter_path} is not a folder: set it to an HF folder")
         contents["eval.drafter_path"] = fingerprint(cfg.eval.drafter_path)
+    if stage == "eval":
+        contents |= {f"eval.beside {label}": fingerprint(path) for label, path in beside_folders(cfg).items()}
+        contents |= {f"eval.router_langs {src}": fingerprint(path) for src, path in router_folders(cfg).items()}
     return contents
+
+
+def beside_folders(cfg: DictConfig) -> dict[str, str]:
+    """eval.beside's drafters as folders by label (LABEL:ENTRY, or a drafter config as its own label): a folder as
+    given; a drafter config (conf/drafter/) as that drafter's finetuned drafter of this pair under this recipe, which
+    must be complete and made with that drafter's config here (its own training settings, recipes/local_drafters/)."""
+    folders = {}
+    for item in cfg.eval.beside:
+        label, _, entry = item.partition(":") if ":" in item else (item, "", item)
+        if Path(entry).is_dir():
+            folders[label] = str(entry)
+            continue
+        if entry not in options("drafter"):
+            valid = ", ".join(options("drafter"))
+            raise ConfigError(f"eval.beside: {entry} is neither a folder nor a drafter config ({valid})")
+        # composed anew: the recipe may train that drafter its own way (recipes/local_drafters/)
+        shared = [given for given in cfg.overrides if not given.startswith(("drafter=", "drafter."))]
+        other = compose_config([f"recipe={cfg.recipe}", f"lang={cfg.lang.pair}", *shared, f"drafter={entry}"])
+        finetune = stage_dir(other, "finetune", check_inputs=False)
+        if not finetune.is_complete():
+            raise StageInputError(
+                f"eval.beside needs the {entry} drafter finetuned on {cfg.lang.pair}, and {finetune.path} "
+                f"is not complete: run `{make_command(other, 'finetune')}` first"
+            )
+        if finetune.recorded_hash() != finetune.config_hash:  # compared as made, not a stale drafter in its place
+            raise StageInputError(
+                f"eval.beside needs {finetune.path} for {entry}'s current config and inputs, but it was made with "
+                f"other ones ({finetune.changed_contents()}): run `{make_command(other, 'finetune')}` with force=true"
+            )
+        folders[label] = str(finetune.path / "drafter")
+    return folders
+
+
+def router_folders(cfg: DictConfig) -> dict[str, str]:
+    """eval.router_langs' drafters as folders by source language: each pair's finetuned drafter under this config,
+    which must be complete and made with it."""
+    folders = {}
+    for pair in cfg.eval.router_langs:
+        other = lang_config(cfg, pair)
+        finetune = stage_dir(other, "finetune", check_inputs=False)
+        if finetune.recorded_hash() != finetune.config_hash or not finetune.is_complete():
+            raise StageInputError(
+                f"eval.router_langs needs the {pair} drafter of {finetune.path}, which is not complete "
+                f"for this config: run `{make_command(other, 'finetune')}` first"
+            )
+        folders[other.lang.src] = str(finetune.path / "drafter")
+    return folders
 
 
 def hashed_keys(cfg: DictConfig, stage: str) -> list[str]:

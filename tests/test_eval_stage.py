@@ -220,8 +220,7 @@ def test_report_without_eval_results_says_what_to_run(tmp_path, capsys):
 
 
 def test_matrix_langs_are_checked_and_switch_the_language(ci_cfg):
-    from pipeline.config import ConfigError
-    from pipeline.evaluation.heldout import lang_config
+    from pipeline.config import ConfigError, lang_config
 
     other = lang_config(ci_cfg, "fr-en")
     assert (other.lang.pair, other.lang.src_name) == ("fr-en", "French") and ci_cfg.lang.pair == "de-en"
@@ -252,7 +251,7 @@ def test_language_router_drafts_each_prompt_with_its_languages_drafter(ci_drafte
     not, while the output stays the target's."""
     import shutil
 
-    from pipeline.evaluation.heldout import lang_config
+    from pipeline.config import lang_config
     from pipeline.evaluation.methods import MIXED
 
     base = [
@@ -342,7 +341,7 @@ def test_drafters_beside_the_evals_own_are_measured_on_the_same_decodes_at_their
 def test_drafters_beside_are_checked(ci_cfg, runs_dir):
     from pipeline.config import ConfigError
     from pipeline.errors import StageInputError
-    from pipeline.evaluation.methods import beside_folders
+    from pipeline.rundir import beside_folders
 
     with pytest.raises(ConfigError, match="label a_k2 must be letters, digits, dots and hyphens"):
         compose_config(["recipe=ci", "eval.beside=[a_k2:tiny-ci]"])
@@ -364,7 +363,7 @@ def test_a_drafter_beside_is_found_where_its_own_training_put_it(runs_dir):
     """The eval's head trains F-only (recipes/local_drafters/), the standalone beside it P-F: the eval finds the
     standalone's finetune made its own way, not one under the head's settings."""
     from pipeline.errors import StageInputError
-    from pipeline.evaluation.methods import beside_folders
+    from pipeline.rundir import beside_folders
 
     runs = f"paths.runs_dir={runs_dir}"
     finetuned(compose_config([runs, "drafter=tiny-7m"]), lambda folder: folder.mkdir())
@@ -374,6 +373,34 @@ def test_a_drafter_beside_is_found_where_its_own_training_put_it(runs_dir):
     cfg = compose_config([runs, "drafter=eagle3-gemma3", "eval.beside=[tiny-7m]", "train.finetune.epochs=1"])
     with pytest.raises(StageInputError, match=r"tiny-7m's current config and inputs, but it was made with other ones"):
         beside_folders(cfg)
+
+
+def test_an_eval_is_measured_again_when_a_drafter_beside_it_or_routed_to_is_retrained(ci_drafter, runs_dir):
+    """A drafter beside the eval's own, or one the router drafts a language with, retrained in place (same folder,
+    new weights) makes the eval's results stale: its hash changes, so the runner measures again instead of
+    reporting the old drafter's speedups under the new one's name."""
+    import os
+    import shutil
+
+    from pipeline.config import lang_config
+    from pipeline.rundir import stage_dir
+
+    base = ["recipe=ci", f"paths.runs_dir={runs_dir}", f"eval.drafter_path={ci_drafter}"]
+    cfg = compose_config([*base, "eval.beside=[again:tiny-ci]", "eval.router_langs=[de-en,fr-en]"])
+    for pair_cfg in (cfg, lang_config(cfg, "fr-en")):
+        finetuned(pair_cfg, lambda folder: shutil.copytree(ci_drafter, folder))
+
+    def retrained(pair_cfg) -> None:
+        weights = stage_dir(pair_cfg, "finetune", check_inputs=False).path / "drafter" / "model.safetensors"
+        later = weights.stat().st_mtime_ns + 10**9
+        os.utime(weights, ns=(later, later))
+
+    hashes = [stage_dir(cfg, "eval", check_inputs=False).config_hash]
+    retrained(cfg)  # de-en's tiny-ci: the drafter beside (and the router's de-en one)
+    hashes.append(stage_dir(cfg, "eval", check_inputs=False).config_hash)
+    retrained(lang_config(cfg, "fr-en"))  # the router's French drafter only
+    hashes.append(stage_dir(cfg, "eval", check_inputs=False).config_hash)
+    assert len(set(hashes)) == 3, hashes
 
 
 def test_router_langs_are_checked(ci_cfg, runs_dir, capsys):

@@ -8,7 +8,7 @@
 The names below are the ones the rest of the pipeline imports: ``from pipeline.config import ...``.
 """
 
-from pipeline.config.compose import DEFAULT_RECIPE, compose_config, last_of_each_key, with_overrides
+from pipeline.config.compose import DEFAULT_RECIPE, compose_config, lang_config, last_of_each_key, with_overrides
 from pipeline.config.folders import CONF_DIR, RECIPES_DIR, REPO_ROOT, USER_CONFIG_ENV, option_file, options
 from pipeline.config.schemas import (
     DEVICE_SPEC,
@@ -58,6 +58,7 @@ __all__ = [
     "SourceKind",
     "TrainConfig",
     "compose_config",
+    "lang_config",
     "last_of_each_key",
     "option_file",
     "options",

@@ -18,7 +18,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from pipeline.config.checks import validate
 from pipeline.config.folders import CONF_DIR, GROUPS, RECIPES_DIR, check_choice, option_file, user_config_dir
-from pipeline.config.schemas import VALUE_HINTS, Config, ConfigError
+from pipeline.config.schemas import VALUE_HINTS, Config, ConfigError, LangConfig
 
 DEFAULT_RECIPE = "local"
 
@@ -139,6 +139,13 @@ def with_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     _check_against_schema(variant)
     validate(variant)
     return variant
+
+
+def lang_config(cfg: DictConfig, pair: str) -> DictConfig:
+    """``cfg`` with another language pair (the cross-language matrix, the router, the distills of a demo)."""
+    other = cfg.copy()
+    other.lang = OmegaConf.merge(OmegaConf.structured(LangConfig), OmegaConf.load(option_file("lang", pair)))
+    return other
 
 
 def _check_against_schema(cfg: DictConfig) -> None:

@@ -4,19 +4,12 @@ finetune-shaped examples (what a teacher-forced estimate scores)."""
 from __future__ import annotations
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from pipeline.config import ConfigError, LangConfig, option_file
+from pipeline.config import ConfigError, lang_config
 from pipeline.data.sources import load_sources
 from pipeline.prompts import IGNORE, build_prompt, prompt_ids, stop_strings, stop_token_ids
 from pipeline.speculative.engine import CachedModel, StopCondition, generate
-
-
-def lang_config(cfg: DictConfig, pair: str) -> DictConfig:
-    """``cfg`` with another language pair (cross-language matrix mode)."""
-    other = cfg.copy()
-    other.lang = OmegaConf.merge(OmegaConf.structured(LangConfig), OmegaConf.load(option_file("lang", pair)))
-    return other
 
 
 def stop_condition(target: DictConfig, tokenizer, model) -> StopCondition:

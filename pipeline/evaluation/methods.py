@@ -12,14 +12,12 @@ drafter), or a general and a finetuned drafter, are compared per decode, each at
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
-from pipeline.config import EVAL_METHODS, ConfigError, compose_config, options
+from pipeline.config import EVAL_METHODS
 from pipeline.evaluation.heldout import stop_condition
-from pipeline.rundir import StageInputError, make_command, stage_dir
 from pipeline.speculative.engine import (
     CachedModel,
     LookupThenModelDrafter,
@@ -42,37 +40,6 @@ def split_method(name: str) -> tuple[str, str | None]:
     """A method name's method and the label of the drafter beside it: hybrid@tiny-7m -> (hybrid, tiny-7m)."""
     method, _, label = name.partition("@")
     return method, label or None
-
-
-def beside_folders(cfg: DictConfig) -> dict[str, str]:
-    """eval.beside's drafters as folders by label (LABEL:ENTRY, or a drafter config as its own label): a folder as
-    given; a drafter config (conf/drafter/) as that drafter's finetuned drafter of this pair under this recipe, which
-    must be complete and made with that drafter's config here (its own training settings, recipes/local_drafters/)."""
-    folders = {}
-    for item in cfg.eval.beside:
-        label, _, entry = item.partition(":") if ":" in item else (item, "", item)
-        if Path(entry).is_dir():
-            folders[label] = str(entry)
-            continue
-        if entry not in options("drafter"):
-            valid = ", ".join(options("drafter"))
-            raise ConfigError(f"eval.beside: {entry} is neither a folder nor a drafter config ({valid})")
-        # composed anew: the recipe may train that drafter its own way (recipes/local_drafters/)
-        shared = [given for given in cfg.overrides if not given.startswith(("drafter=", "drafter."))]
-        other = compose_config([f"recipe={cfg.recipe}", f"lang={cfg.lang.pair}", *shared, f"drafter={entry}"])
-        finetune = stage_dir(other, "finetune", check_inputs=False)
-        if not finetune.is_complete():
-            raise StageInputError(
-                f"eval.beside needs the {entry} drafter finetuned on {cfg.lang.pair}, and {finetune.path} "
-                f"is not complete: run `{make_command(other, 'finetune')}` first"
-            )
-        if finetune.recorded_hash() != finetune.config_hash:  # compared as made, not a stale drafter in its place
-            raise StageInputError(
-                f"eval.beside needs {finetune.path} for {entry}'s current config and inputs, but it was made with "
-                f"other ones ({finetune.changed_contents()}): run `{make_command(other, 'finetune')}` with force=true"
-            )
-        folders[label] = str(finetune.path / "drafter")
-    return folders
 
 
 @dataclass

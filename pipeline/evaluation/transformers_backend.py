@@ -76,14 +76,14 @@ from pipeline.evaluation.choices import (
     warm_up,
 )
 from pipeline.evaluation.gate import GreedyGate, tie_tolerance
-from pipeline.evaluation.heldout import eval_pairs, heldout_prompts, lang_config
-from pipeline.evaluation.methods import EXACT_AT_T0, MIXED, Decoders, Drafters, beside_folders, split_method
+from pipeline.evaluation.heldout import eval_pairs, heldout_prompts
+from pipeline.evaluation.methods import EXACT_AT_T0, MIXED, Decoders, Drafters, split_method
 from pipeline.evaluation.results import SUMMARY_KEYS, environment, summarize, write_results
 from pipeline.jsonl import AppendOnlyJsonl, read_jsonl
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.prompts import prompt_ids
-from pipeline.rundir import StageInputError, make_command, stage_dir
+from pipeline.rundir import beside_folders, router_folders
 from pipeline.speculative.costs import canonical_dtype, cost_line
 from pipeline.speculative.engine import (
     Generation,
@@ -340,7 +340,7 @@ def load_inputs(cfg: DictConfig, drafter_path: str, device: torch.device) -> tup
     target_path = model_path(cfg.target, cfg.paths.models_dir)
     if not Path(drafter_path).is_dir():
         raise FileNotFoundError(f"drafter folder {drafter_path} does not exist; set eval.drafter_path to an HF folder")
-    router_paths = {lang_config(cfg, pair).lang.src: finetuned_drafter(cfg, pair) for pair in ev.router_langs}
+    router_paths = router_folders(cfg)
     beside_paths = beside_folders(cfg)
     for path in (drafter_path, *router_paths.values(), *beside_paths.values()):  # a parallel drafter: no K past its
         check_parallel_k(AutoConfig.from_pretrained(path), [ev.num_draft_tokens, *ev.k_sweep])  # training
@@ -677,18 +677,6 @@ def preempted(path: Path, todo: int) -> int:
         flush=True,
     )
     return EXIT_PREEMPTED
-
-
-def finetuned_drafter(cfg: DictConfig, pair: str) -> str:
-    """The finetune stage's drafter for ``pair`` under this config (for the router)."""
-    other = lang_config(cfg, pair)
-    finetune = stage_dir(other, "finetune", check_inputs=False)
-    if finetune.recorded_hash() != finetune.config_hash or not finetune.is_complete():
-        raise StageInputError(
-            f"eval.router_langs needs the {pair} drafter of {finetune.path}, which is not complete "
-            f"for this config: run `{make_command(other, 'finetune')}` first"
-        )
-    return str(finetune.path / "drafter")
 
 
 def router_summary(cfg: DictConfig, samples: list[dict]) -> dict:
