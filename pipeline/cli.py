@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "prepare":
             prepare(cfg, args.overrides)
         elif args.command == "report":
-            from pipeline import report
+            from pipeline.evaluation import report
 
             if args.langs:
                 configs = {pair: compose_config([*args.overrides, f"lang={pair}"]) for pair in args.langs}

@@ -10,7 +10,7 @@ import torch
 
 from pipeline.errors import LosslessError
 from pipeline.evaluation.gate import GreedyGate, first_divergence, tie_tolerance
-from pipeline.report import greedy_gate_line
+from pipeline.evaluation.report import greedy_gate_line
 from pipeline.speculative.engine import top2_gap
 
 VOCAB = 8

@@ -30,7 +30,6 @@ LOWER = (
     "jsonl.py",
     "durable.py",
     "tracking.py",
-    "report.py",
     "config",
 )
 UPPER = ("pipeline.stages", "pipeline.runner", "pipeline.cli", "pipeline.bench", "pipeline.gpu_check")

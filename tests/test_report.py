@@ -1,5 +1,5 @@
 """A report never states a recommendation its own measurement contradicts (issue 41): the eval's report.md and
-the demo summary (pipeline/report.py) print each method's measured speedup, and where the formula's K
+the demo summary (pipeline/evaluation/report.py) print each method's measured speedup, and where the formula's K
 (pipeline/speculative/costs.py, from the pilot's τ) disagrees with it, they say the prediction missed."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 from omegaconf import OmegaConf
 
-from pipeline import report
+from pipeline.evaluation import report
 from pipeline.evaluation.choices import choose_ks
 from pipeline.speculative.engine import Generation
 

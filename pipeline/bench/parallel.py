@@ -33,8 +33,8 @@ import torch
 from pipeline.bench import BenchSettings
 from pipeline.config import with_overrides
 from pipeline.device import cpu_model
+from pipeline.evaluation.report import summary_of
 from pipeline.jsonl import read_jsonl
-from pipeline.report import summary_of
 from pipeline.runner import run_stage
 from pipeline.speculative.metrics import mean_and_standard_error, speedup
 

@@ -59,10 +59,10 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import AutoConfig
 
-from pipeline import report
 from pipeline.config import Config, ConfigError
 from pipeline.device import resolve_device
 from pipeline.durable import fsync_dir, write_atomic
+from pipeline.evaluation import report
 from pipeline.evaluation.choices import (
     check_ks,
     choose_ks,

@@ -56,6 +56,7 @@ from pipeline.device import resolve_device
 from pipeline.errors import ServingError, StageInputError, TokenizerMismatchError
 from pipeline.evaluation.gate import GreedyGate, tie_tolerance
 from pipeline.evaluation.heldout import eval_pairs, heldout_prompts
+from pipeline.evaluation.report import greedy_gate_line
 from pipeline.evaluation.results import SUMMARY_KEYS, environment, summarize, write_results
 from pipeline.jsonl import write_jsonl
 from pipeline.models.drafter import check_drafter
@@ -75,7 +76,6 @@ from pipeline.models.export import (
 from pipeline.models.provision import load_tokenizer, model_path
 from pipeline.models.vocab import VocabMap, check_tokenizers
 from pipeline.prompts import prompt_ids, stop_strings, stop_token_ids
-from pipeline.report import greedy_gate_line
 from pipeline.rundir import make_command, stage_dir
 from pipeline.serving.server import VLLMServer, samples_correctly, served_dtype, target_server
 from pipeline.speculative.engine import Generation

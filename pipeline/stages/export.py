@@ -34,6 +34,7 @@ from pipeline.device import resolve_device
 from pipeline.errors import AcceptanceMismatchError
 from pipeline.evaluation.gate import GreedyGate, tie_tolerance
 from pipeline.evaluation.heldout import heldout_prompts, stop_condition
+from pipeline.evaluation.report import greedy_gate_line
 from pipeline.evaluation.results import environment
 from pipeline.jsonl import write_jsonl
 from pipeline.models.drafter import load_drafter
@@ -54,7 +55,6 @@ from pipeline.models.export import (
 )
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.prompts import prompt_ids
-from pipeline.report import greedy_gate_line
 from pipeline.rundir import git_revision, make_command
 from pipeline.serving.server import samples_correctly
 from pipeline.speculative.engine import CachedModel, ModelDrafter, generate, hf_generate, top2_gap

@@ -41,11 +41,11 @@ from pipeline.device import resolve_device
 from pipeline.errors import USER_ERRORS, StageInputError
 from pipeline.evaluation.choices import choose_target_dtype
 from pipeline.evaluation.heldout import greedy_heldout_examples
+from pipeline.evaluation.report import summary_of
 from pipeline.evaluation.teacher_forced import SharedTeacherForced
 from pipeline.models.drafter import load_drafter
 from pipeline.models.provision import load_model, load_tokenizer, model_path
 from pipeline.prompts import IGNORE
-from pipeline.report import summary_of
 from pipeline.rundir import StageDir, make_command, stage_dir
 from pipeline.runner import run_stage
 from pipeline.speculative.engine import (
