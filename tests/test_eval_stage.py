@@ -410,6 +410,8 @@ def test_router_langs_are_checked(ci_cfg, runs_dir, capsys):
         compose_config(["recipe=ci", "eval.router_langs=[de-en]"])
     with pytest.raises(ConfigError, match="eval.router_langs: unknown xx-en"):
         compose_config(["recipe=ci", "eval.router_langs=[de-en,xx-en]"])
+    with pytest.raises(ConfigError, match="eval.router_langs runs on our engine: set eval.engine=transformers"):
+        compose_config(["recipe=ci", "eval.router_langs=[de-en,fr-en]", "eval.engine=vllm"])
 
 
 @pytest.mark.slow

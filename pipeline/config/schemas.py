@@ -598,6 +598,10 @@ class EvalConfig:
             problems.append(f"{key}.beside: two drafters labelled alike ({', '.join(labels)}); write LABEL:DRAFTER")
         if ev.beside and ev.engine == EvalEngine.vllm:
             problems.append(f"{key}.beside runs on our engine: set {key}.engine=transformers, or leave beside empty")
+        if ev.router_langs and ev.engine == EvalEngine.vllm:
+            problems.append(
+                f"{key}.router_langs runs on our engine: set {key}.engine=transformers, or leave router_langs empty"
+            )
         sources = [pair.split("-")[0] for pair in ev.router_langs]
         if ev.router_langs and (len(sources) < 2 or len(set(sources)) < len(sources)):
             problems.append(
