@@ -375,10 +375,11 @@ def test_a_drafter_beside_is_found_where_its_own_training_put_it(runs_dir):
         beside_folders(cfg)
 
 
-def test_an_eval_is_measured_again_when_a_drafter_beside_it_or_routed_to_is_retrained(ci_drafter, runs_dir):
+def test_an_evals_hash_changes_when_a_drafter_beside_it_or_routed_to_is_retrained(ci_drafter, runs_dir):
     """A drafter beside the eval's own, or one the router drafts a language with, retrained in place (same folder,
-    new weights) makes the eval's results stale: its hash changes, so the runner measures again instead of
-    reporting the old drafter's speedups under the new one's name."""
+    new weights) makes the eval's results stale: its hash changes, so the runner no longer takes them for this
+    config's (it refuses in one line naming the drafter; force=true measures again) instead of reporting the old
+    drafter's speedups under the new one's name."""
     import os
     import shutil
 
