@@ -382,18 +382,7 @@ def beside_folders(cfg: DictConfig) -> dict[str, str]:
         # composed anew: the recipe may train that drafter its own way (recipes/local_drafters/)
         shared = [given for given in cfg.overrides if not given.startswith(("drafter=", "drafter."))]
         other = compose_config([f"recipe={cfg.recipe}", f"lang={cfg.lang.pair}", *shared, f"drafter={entry}"])
-        finetune = stage_dir(other, "finetune", check_inputs=False)
-        if not finetune.is_complete():
-            raise StageInputError(
-                f"eval.beside needs the {entry} drafter finetuned on {cfg.lang.pair}, and {finetune.path} "
-                f"is not complete: run `{make_command(other, 'finetune')}` first"
-            )
-        if finetune.recorded_hash() != finetune.config_hash:  # compared as made, not a stale drafter in its place
-            raise StageInputError(
-                f"eval.beside needs {finetune.path} for {entry}'s current config and inputs, but it was made with "
-                f"other ones ({finetune.changed_contents()}): run `{make_command(other, 'finetune')}` with force=true"
-            )
-        folders[label] = str(finetune.path / "drafter")
+        folders[label] = finetuned_folder(other, "eval.beside", entry)
     return folders
 
 
@@ -403,14 +392,25 @@ def router_folders(cfg: DictConfig) -> dict[str, str]:
     folders = {}
     for pair in cfg.eval.router_langs:
         other = lang_config(cfg, pair)
-        finetune = stage_dir(other, "finetune", check_inputs=False)
-        if finetune.recorded_hash() != finetune.config_hash or not finetune.is_complete():
-            raise StageInputError(
-                f"eval.router_langs needs the {pair} drafter of {finetune.path}, which is not complete "
-                f"for this config: run `{make_command(other, 'finetune')}` first"
-            )
-        folders[other.lang.src] = str(finetune.path / "drafter")
+        folders[other.lang.src] = finetuned_folder(other, "eval.router_langs", other.drafter.name)
     return folders
+
+
+def finetuned_folder(cfg: DictConfig, needed_by: str, drafter: str) -> str:
+    """The drafter folder of ``cfg``'s finetune, which ``needed_by`` reads: refused in one line unless complete and
+    made with ``cfg`` (compared as made, not a stale drafter in its place)."""
+    finetune = stage_dir(cfg, "finetune", check_inputs=False)
+    if not finetune.is_complete():
+        raise StageInputError(
+            f"{needed_by} needs the {drafter} drafter finetuned on {cfg.lang.pair}, and {finetune.path} "
+            f"is not complete: run `{make_command(cfg, 'finetune')}` first"
+        )
+    if finetune.recorded_hash() != finetune.config_hash:
+        raise StageInputError(
+            f"{needed_by} needs {finetune.path} for {drafter}'s current config and inputs, but it was made with "
+            f"other ones ({finetune.changed_contents()}): run `{make_command(cfg, 'finetune')}` with force=true"
+        )
+    return str(finetune.path / "drafter")
 
 
 def hashed_keys(cfg: DictConfig, stage: str) -> list[str]:

@@ -406,6 +406,8 @@ def test_an_evals_hash_changes_when_a_drafter_beside_it_or_routed_to_is_retraine
 
 def test_router_langs_are_checked(ci_cfg, runs_dir, capsys):
     from pipeline.config import ConfigError
+    from pipeline.errors import StageInputError
+    from pipeline.rundir import router_folders
 
     with pytest.raises(ConfigError, match="two or more pairs with different source languages"):
         compose_config(["recipe=ci", "eval.router_langs=[de-en]"])
@@ -413,6 +415,11 @@ def test_router_langs_are_checked(ci_cfg, runs_dir, capsys):
         compose_config(["recipe=ci", "eval.router_langs=[de-en,xx-en]"])
     with pytest.raises(ConfigError, match="eval.router_langs runs on our engine: set eval.engine=transformers"):
         compose_config(["recipe=ci", "eval.router_langs=[de-en,fr-en]", "eval.engine=vllm"])
+    cfg = compose_config(["recipe=ci", f"paths.runs_dir={runs_dir}", "eval.router_langs=[de-en,fr-en]"])
+    with pytest.raises(
+        StageInputError, match=r"eval.router_langs needs the tiny-ci drafter finetuned on de-en.*run `make finetune "
+    ):
+        router_folders(cfg)
 
 
 @pytest.mark.slow
