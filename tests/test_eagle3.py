@@ -1,5 +1,6 @@
 """EAGLE-3 heads on tiny random targets: the target's states at vLLM's layer ids, greedy exactness through our
-engine, the head's KV rollback, training-time test equal to decoding, and one-line errors for wrong layers."""
+engine, the head's KV rollback, training-time test and teacher-forced scoring equal to decoding, and one-line errors
+for wrong layers."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pipeline.speculative.engine import (
     generate,
     model_drafter,
 )
+from pipeline.speculative.sampler import Sampling
 from tests.helpers import NO_STOP, PROMPT, VOCAB, full_greedy, tiny_gemma3, tiny_llama
 
 LAYERS = [1, 2, 3]
@@ -65,6 +67,35 @@ def test_greedy_is_token_exact_with_a_head(make):
                 assert out.tokens == reference, (type(candidate).__name__, k)
                 assert sum(out.accepted) + out.target_calls == len(out.tokens)
     assert out.drafted[0] == 0 and sum(out.drafted) > 0  # the prefill round drafts nothing, the others do
+
+
+@pytest.mark.parametrize("make", [llama_target, gemma_target])
+def test_every_rounds_first_draft_is_what_teacher_forcing_scores_there(make):
+    """Decoding drafts what the teacher-forced scorer scores: the distribution of every round's first draft, read
+    from the states the earlier rounds left in the target's cache and the head's, after their rollbacks, is the
+    teacher-forced head's at that answer token. So decoding's acceptance at draft position 1 is the teacher-forced
+    agreement at the tokens rounds draft, which start after a rejection more often than teacher forcing's average
+    token does. Sampled at T=1, so that the tiny targets' answers vary."""
+    target = CachedModel(make())
+    head = head_for(target.model)
+    drafter = model_drafter(head, target=target)
+    propose, firsts = drafter.propose, []
+
+    def recording(sequence, k, sampling, generator):
+        draft = propose(sequence, k, sampling, generator)
+        if draft.tokens.shape[1]:
+            firsts.append((sequence.shape[1] - PROMPT.shape[1], draft.probs[0, 0]))  # answer index, distribution
+        return draft
+
+    drafter.propose = recording
+    out = generate(target, PROMPT, 30, NO_STOP, Sampling(1.0), drafter, k=2, generator=torch.Generator().manual_seed(0))
+    example = {"input_ids": PROMPT[0].tolist() + out.tokens, "labels": [IGNORE] * PROMPT.shape[1] + out.tokens}
+    scorer = TeacherForced(target.model, None, [example], pad_id=0, layer_ids=LAYERS)
+    with torch.no_grad():
+        teacher_forced = scorer.head_logits(head, 0, *passes(scorer.attention_mask)[0]).softmax(-1)  # per answer token
+    assert len(firsts) > 10 and len(set(out.tokens)) > 5 and len(teacher_forced) == len(out.tokens)
+    for index, drafted in firsts:
+        assert torch.allclose(drafted, teacher_forced[index], atol=1e-5), index
 
 
 def test_head_kv_rollback_equals_recomputation():
