@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
+from transformers import MistralConfig, MistralForCausalLM
 
 from pipeline.config import ConfigError, ParallelDraftConfig, compose_config
 from pipeline.models.drafter import make_parallel
@@ -24,7 +25,7 @@ from pipeline.speculative.engine import (
 )
 from pipeline.speculative.sampler import Sampling, probabilities
 from pipeline.training.parallel_draft import ParallelDraftCollator, attention_mask, mask_token
-from tests.helpers import NO_STOP, PROMPT, VOCAB, assert_follows, full_greedy, llama
+from tests.helpers import NO_STOP, PROMPT, VOCAB, assert_follows, full_greedy, llama, tiny_gemma3
 
 MASK = VOCAB - 1  # a full-vocabulary drafter's mask: an id the data never uses
 
@@ -38,11 +39,25 @@ def example(n: int, prompt: int, seed: int) -> dict:
     return {"input_ids": ids, "labels": [IGNORE] * prompt + ids[prompt:]}
 
 
-def test_a_training_row_is_what_the_drafter_computes_at_inference():
+def sliding_mistral():
+    """Every layer slides, over a window of 4: shorter than the examples below."""
+    torch.manual_seed(1)
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
+    return MistralForCausalLM(MistralConfig(vocab_size=VOCAB, num_key_value_heads=2, sliding_window=4, **shape)).eval()
+
+
+# a full-attention drafter, one whose every layer slides, and one with both kinds of layer (windows of 4 and 6,
+# shorter than the examples: the training rows must keep them, as decoding's cache does)
+@pytest.mark.parametrize(
+    "make",
+    [lambda: llama(1), sliding_mistral, lambda: tiny_gemma3(1, VOCAB, ["sliding_attention", "full_attention"])],
+    ids=["llama", "mistral", "gemma3"],
+)
+def test_a_training_row_is_what_the_drafter_computes_at_inference(make):
     """Every position of a packed, padded batch of rows: a real token's logits are the causal LM's at that token,
     a mask (t, j)'s are those after the context x_0..x_t and j masks, fed as the engine feeds them; its target
     is x_{t+j+1}. Nothing leaks between the packed examples."""
-    model = make_parallel(llama(1), None, 4, MASK)
+    model = make_parallel(make(), None, 4, MASK)
     examples = [example(12, 4, 0), example(9, 3, 1), example(7, 2, 2)]
     collate = ParallelDraftCollator(0, None, MASK, settings(k=4, retention=1.0, min_retention=1.0), pack_length=60)
     batch = collate(examples)
@@ -52,7 +67,7 @@ def test_a_training_row_is_what_the_drafter_computes_at_inference():
             input_ids=batch["input_ids"],
             position_ids=batch["position_ids"],
             logits_to_keep=0,
-            attention_mask=attention_mask(batch["segment_ids"], batch["anchors"], batch["offsets"]),
+            attention_mask=attention_mask(model.config, batch),
         ).logits
     checked = 0
     for r in range(batch["input_ids"].shape[0]):

@@ -391,31 +391,32 @@ def label_coverage(examples: list[dict], vocab: VocabMap | None) -> float:
     return float((vocab.encode(labels) != vocab.unk_id).float().mean())
 
 
-def block_causal_mask(segment_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """(batch, 1, length, length) bool: each token attends to the earlier tokens of its own packed example (the
-    last ``window`` of them, itself included, where given)."""
+def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, length, length) bool: each token attends to the earlier tokens of its own packed example."""
     length = segment_ids.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
-    if window is not None:
-        causal = causal.triu(1 - window)
     return ((segment_ids[:, :, None] == segment_ids[:, None, :]) & causal).unsqueeze(1)
 
 
-def packed_attention_mask(config, segment_ids: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The attention mask of packed rows for a model of ``config``. transformers uses a prepared 4D mask as given,
-    so a model with sliding-window layers needs the window in it: one mask per layer type for the models that take
-    such a mapping (those with ``layer_types``: Gemma 2/3, Qwen 2/3), one windowed mask for a model whose every
-    layer slides (Mistral); else the window would be lost wherever an example outgrows it."""
+def with_sliding_window(config, mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | dict:
+    """A prepared (batch, 1, length, length) bool mask as a model of ``config`` takes it. transformers uses a prepared
+    mask as given, so a model with sliding-window layers needs the window in it (keys fewer than ``sliding_window``
+    positions back): one mask per layer type for the models that take such a mapping (those with ``layer_types``:
+    Gemma 2/3, Qwen 2/3), one windowed mask for a model whose every layer slides (Mistral); else the window would be
+    lost wherever an example outgrows it."""
     config = config.get_text_config()
     window = getattr(config, "sliding_window", None)
     if not window:
-        return block_causal_mask(segment_ids)
+        return mask
+    near = (position_ids[:, :, None] - position_ids[:, None, :] < window).unsqueeze(1)
     if getattr(config, "layer_types", None) is None:
-        return block_causal_mask(segment_ids, window)
-    return {
-        "full_attention": block_causal_mask(segment_ids),
-        "sliding_attention": block_causal_mask(segment_ids, window),
-    }
+        return mask & near
+    return {"full_attention": mask, "sliding_attention": mask & near}
+
+
+def packed_attention_mask(config, segment_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | dict:
+    """The attention mask of packed rows (positions from 0 in each example) for a model of ``config``."""
+    return with_sliding_window(config, block_causal_mask(segment_ids), position_ids)
 
 
 class Collator:

@@ -131,7 +131,7 @@ def head_objective(
         inputs, segments = {"input_ids": ids}, batch.get("segment_ids")
         if segments is not None:  # packed rows: each example attends to itself (as the standalone objective)
             inputs |= {
-                "attention_mask": packed_attention_mask(target.config, segments),
+                "attention_mask": packed_attention_mask(target.config, segments, batch["position_ids"]),
                 "position_ids": batch["position_ids"],
             }
         length = ids.shape[1] - 1  # index i pairs the target's states at i with token i + 1

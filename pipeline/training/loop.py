@@ -190,7 +190,7 @@ def supervised_objective(loss: Loss) -> Callable:
         packed = {}
         if "segment_ids" in batch:
             config = getattr(model, "module", model).config  # under DDP or DeepSpeed: the wrapped model's
-            mask = packed_attention_mask(config, batch["segment_ids"])
+            mask = packed_attention_mask(config, batch["segment_ids"], batch["position_ids"])
             packed = {"attention_mask": mask, "position_ids": batch["position_ids"]}
         keep = batch["keep"]
         logits = model(input_ids=batch["input_ids"], logits_to_keep=keep, **packed).logits

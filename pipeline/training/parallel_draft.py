@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from pipeline.config import ConfigError, Loss
 from pipeline.models.vocab import VocabMap
 from pipeline.prompts import IGNORE
-from pipeline.training.data import Collator
+from pipeline.training.data import Collator, with_sliding_window
 from pipeline.training.losses import token_losses
 
 
@@ -121,14 +121,16 @@ class ParallelDraftCollator(Collator):
         return batch
 
 
-def attention_mask(segment_ids: torch.Tensor, anchors: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """(batch, 1, length, length) bool: a token attends, within its own example, to the real tokens up to its
-    anchor and, a mask, to the masks of its anchor up to its own segment."""
+def attention_mask(config, batch: dict) -> torch.Tensor | dict:
+    """The batch's mask for a drafter of ``config``, (batch, 1, length, length) bool: a token attends, within its own
+    example, to the real tokens up to its anchor and, a mask, to the masks of its anchor up to its own segment; a
+    sliding-window layer only to those fewer than its window positions back, as at inference."""
+    segment_ids, anchors, offsets = batch["segment_ids"], batch["anchors"], batch["offsets"]
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
     real_key = (offsets == 0)[:, None, :]
     context = real_key & (anchors[:, None, :] <= anchors[:, :, None])
     chain = ~real_key & (anchors[:, None, :] == anchors[:, :, None]) & (offsets[:, None, :] <= offsets[:, :, None])
-    return (same & (context | chain)).unsqueeze(1)
+    return with_sliding_window(config, (same & (context | chain)).unsqueeze(1), batch["position_ids"])
 
 
 def parallel_draft_objective(loss: Loss, k: int) -> Callable:
@@ -137,11 +139,12 @@ def parallel_draft_objective(loss: Loss, k: int) -> Callable:
 
     def objective(model, batch: dict, sample_seed: int):
         keep = batch["keep"]
+        config = getattr(model, "module", model).config  # under DDP or DeepSpeed: the wrapped model's
         logits = model(
             input_ids=batch["input_ids"],
             logits_to_keep=keep,
             position_ids=batch["position_ids"],
-            attention_mask=attention_mask(batch["segment_ids"], batch["anchors"], batch["offsets"]),
+            attention_mask=attention_mask(config, batch),
         ).logits
         targets = {key: batch[key][:, keep] for key in ("labels", "teacher_ids", "teacher_logprobs") if key in batch}
         per_token = token_losses(logits, targets, loss)
