@@ -154,7 +154,7 @@ demo: install ## the local recipe end to end on this CPU for DEMO_LANGS (default
 	$(MAKE) --no-print-directory distill RECIPE=local LANG_PAIR=$$pair ARGS="$(ARGS)" || exit 1; \
 	for other in $(DEMO_BESIDE); do $(MAKE) --no-print-directory pretrain finetune RECIPE=local LANG_PAIR=$$pair \
 	ARGS="$(ARGS) drafter=$$other" || exit 1; done; \
-	$(MAKE) --no-print-directory all RECIPE=local LANG_PAIR=$$pair ARGS="$(DEMO_ARGS)" || exit 1; done; \
+	$(MAKE) --no-print-directory pretrain finetune eval RECIPE=local LANG_PAIR=$$pair ARGS="$(DEMO_ARGS)" || exit 1; done; \
 	$(RUN) report recipe=local $(DEMO_ARGS) --langs $(DEMO_LANGS) --started $$started
 
 BENCH ?=
