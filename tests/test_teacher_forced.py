@@ -4,6 +4,8 @@ scored position (issue 41: with Gemma's 262k ids that is tens of GB beside the t
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -11,9 +13,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline.evaluation import teacher_forced
 from pipeline.evaluation.teacher_forced import TeacherForced
+from pipeline.models.eagle3 import new_head
 from pipeline.models.vocab import VocabMap
 from pipeline.prompts import IGNORE
-from tests.helpers import tiny_llama
+from pipeline.speculative.engine import CachedModel, generate, model_drafter
+from pipeline.speculative.metrics import replayed_greedy_rounds
+from tests.helpers import NO_STOP, PROMPT, tiny_llama
 
 # widths no hidden, head or sequence dimension of these models has: a tensor this wide is over vocabulary ids
 TARGET_VOCAB, MAPPED, PAD, HIDDEN = 97, 40, 0, 32
@@ -93,3 +98,27 @@ def test_no_tensor_over_vocabulary_ids_spans_more_positions_than_a_forward_or_a_
         TeacherForced(target, vocab_map, held, PAD).per_token(drafter)
     # a forward's tokens, a chunk's positions, or the map's rows of the output layer (HIDDEN × N, transposed)
     assert 0 < widest.positions <= max(24, HIDDEN)
+
+
+def test_greedy_rounds_replayed_on_the_teacher_forced_agreement_are_the_decodes():
+    """A standalone drafter agreeing with the target on about a third of its tokens, at K = 1 and 3, the target as
+    its own drafter (every draft accepted but where the last rounds have less room), and an EAGLE-3 head at K = 1
+    (its first round the target's prefill): the rounds and accepted drafts replayed on the agreement rows are the
+    greedy decode's, the last token max_new_tokens allows left to the target as ``generate`` leaves it."""
+    target, steps = tiny_llama(0, 64, layers=2, positions=256), 38
+    drafter = copy.deepcopy(target)
+    noise = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for weight in drafter.parameters():
+            weight.add_(torch.randn(weight.shape, generator=noise) * 0.5 * weight.std())
+    head = new_head(target, None, [0, 1, 2], num_heads=2, intermediate_size=64).eval()
+    for model, k, start in ((drafter, 1, 0), (drafter, 3, 0), (target, 3, 0), (head, 1, 1)):
+        cached = CachedModel(target)
+        out = generate(cached, PROMPT, steps, NO_STOP, drafter=model_drafter(model, target=cached), k=k)
+        answer = {"input_ids": PROMPT[0].tolist() + out.tokens, "labels": [IGNORE] * PROMPT.shape[1] + out.tokens}
+        layers = [0, 1, 2] if model is head else None
+        _, agreement = TeacherForced(target, None, [answer], PAD, layers).per_token(model)
+        decoded = (sum(1 for drafted in out.drafted if drafted), sum(out.accepted))
+        assert replayed_greedy_rounds(agreement.tolist(), k, start, steps) == decoded, (k, start)
+        if model is drafter:
+            assert 0 < decoded[1] < decoded[0] * k  # some drafts accepted, not all

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -47,6 +47,24 @@ def method_stats(generations: list[Generation]) -> dict:
         stats["alpha"] = stats["accepted"] / drafted
         stats["acceptance_per_position"] = acceptance_per_position(generations)
     return stats
+
+
+def replayed_greedy_rounds(agreement: Sequence[float], k: int, start: int, max_new_tokens: int) -> tuple[int, int]:
+    """(rounds that drafted, drafts accepted) of greedy decoding at K over one answer, replayed on the drafter's
+    teacher-forced agreement at each answer token (1: its top token is the target's): the first round drafts at
+    answer token ``start`` (an EAGLE-3 head's at 1: the target's prefill emits token 0); a round drafting at token g
+    accepts the run of agreements from g, at most K and never the last token max_new_tokens allows (``generate``
+    leaves it to the target), then the target emits one. Decoding's own rounds where each draft is the drafter's
+    teacher-forced prediction once the drafts before it were accepted: a standalone drafter at any K, a head at
+    K = 1 (its later drafts read its own outputs), to within the round that emits a stop."""
+    rounds = accepted = 0
+    g = start
+    while g < min(len(agreement), max_new_tokens - 1):
+        run = 0
+        while run < min(k, max_new_tokens - 1 - g) and g + run < len(agreement) and agreement[g + run]:
+            run += 1
+        rounds, accepted, g = rounds + 1, accepted + run, g + run + 1
+    return rounds, accepted
 
 
 def acceptance_per_position(generations: list[Generation]) -> list[float]:
