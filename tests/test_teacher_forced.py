@@ -1,6 +1,7 @@
 """Teacher-forced scoring (pipeline/evaluation/teacher_forced.py) in bounded memory: pass by pass and chunk by
 chunk it scores what one pass over every sequence scores, and never makes a vocabulary-wide tensor over every
-scored position (issue 41: with Gemma's 262k ids that is tens of GB beside the target)."""
+scored position (issue 41: with Gemma's 262k ids that is tens of GB beside the target); greedy decoding's rounds
+replayed on its agreement rows are the decode's own."""
 
 from __future__ import annotations
 
