@@ -57,11 +57,12 @@ def replayed_greedy_rounds(agreement: Sequence[float], k: int, start: int, max_n
     leaves it to the target), then the target emits one. Decoding's own rounds where each draft is the drafter's
     teacher-forced prediction once the drafts before it were accepted: a standalone drafter at any K, a head at
     K = 1 (its later drafts read its own outputs), to within the round that emits a stop."""
+    draftable = min(len(agreement), max_new_tokens - 1)  # the tokens a round may draft
     rounds = accepted = 0
     g = start
-    while g < min(len(agreement), max_new_tokens - 1):
+    while g < draftable:
         run = 0
-        while run < min(k, max_new_tokens - 1 - g) and g + run < len(agreement) and agreement[g + run]:
+        while run < k and g + run < draftable and agreement[g + run]:
             run += 1
         rounds, accepted, g = rounds + 1, accepted + run, g + run + 1
     return rounds, accepted
