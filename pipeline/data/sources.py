@@ -270,6 +270,7 @@ def load_sources(cfg: DictConfig) -> tuple[list[Example], list[Example]]:
 
 
 def pair_sources(cfg: DictConfig) -> tuple[list[Example], list[Example]]:
+    """(train, heldout) of the pair's own source: the held-out prompts every eval reads."""
     data, hub = cfg.data, cfg.lang.hub
     if data.sources == SourceKind.hub and hub.dataset:
         return hub_sources(cfg)

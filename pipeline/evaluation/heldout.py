@@ -7,7 +7,7 @@ import torch
 from omegaconf import DictConfig
 
 from pipeline.config import ConfigError, lang_config
-from pipeline.data.sources import load_sources
+from pipeline.data.sources import pair_sources
 from pipeline.prompts import IGNORE, build_prompt, prompt_ids, stop_strings, stop_token_ids
 from pipeline.speculative.engine import CachedModel, StopCondition, generate
 
@@ -29,7 +29,7 @@ def heldout_prompts(cfg: DictConfig, pair: str, tokenizer, count: int | None = N
     """(example, prompt as the target sees it) for the first ``count`` (default eval.num_prompts) held-out
     sources of ``pair``."""
     lang_cfg = lang_config(cfg, pair) if pair != cfg.lang.pair else cfg
-    heldout = load_sources(lang_cfg)[1][: count or cfg.eval.num_prompts]
+    heldout = pair_sources(lang_cfg)[1][: count or cfg.eval.num_prompts]  # data.extra_prompts never held out
     if not heldout:
         raise ConfigError(f"no held-out prompts for {pair}; raise data.heldout_max or choose another lang")
     return [(ex, build_prompt(cfg.target, lang_cfg.lang, ex.src, tokenizer)) for ex in heldout]
