@@ -104,17 +104,17 @@ def test_prompt_fractions_are_nested_and_keep_every_answer_of_a_prompt():
 def test_extra_prompts_join_the_training_prompts_and_never_the_held_out_ones(tmp_path):
     """data.extra_prompts: the auf-deutsch package's German sentences within the length bounds become training
     prompts, once each; the held-out prompts are the pair's own, with or without them, and none is trained on."""
-    course = packaged.sentences(PromptCorpus.auf_deutsch, "de")
-    shared = [text for text in course if 20 <= len(text) <= 400][:2]  # two of the pair's own prompts are the course's
     source = tmp_path / "pairs.jsonl"
-    source.write_text("".join(json.dumps({"src": text}) + "\n" for text in shared))
     base = ["recipe=ci", "lang=de-en", "data.sources=file", f"data.source_file={source}", "data.heldout_fraction=0.5"]
+    cfg = compose_config(base).data
+    course = packaged.sentences(PromptCorpus.auf_deutsch, "de")
+    within = {text for text in course if cfg.min_chars <= len(text) <= cfg.max_chars}
+    shared = sorted(within)[:2]  # two of the pair's own prompts are the course's
+    source.write_text("".join(json.dumps({"src": text}) + "\n" for text in shared))
     train, heldout = load_sources(compose_config(base))
     extended, extended_heldout = load_sources(compose_config([*base, "data.extra_prompts=[auf_deutsch]"]))
     assert extended_heldout == heldout and len(heldout) == 1 and len(train) == 1
     assert extended[: len(train)] == train and heldout[0].src not in {ex.src for ex in extended}
-    cfg = compose_config(base).data
-    within = {text for text in course if cfg.min_chars <= len(text) <= cfg.max_chars}
     assert {ex.src for ex in extended} == within - {heldout[0].src}
     assert len(extended) == len({ex.id for ex in extended}) > 1800  # German sentences only, each once
     assert "Wie war dein Wochenende?" in course and "How was your weekend?" not in course
