@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoTokenizer,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+)
+from transformers.modeling_outputs import CausalLMOutput
 
 from pipeline.config import REPO_ROOT
 from pipeline.models.drafter import save_drafter
@@ -70,6 +78,35 @@ def tiny_gemma3(seed: int, vocab: int, layer_types: list[str]) -> Gemma3ForCausa
             max_position_embeddings=256,
         )
     ).eval()
+
+
+class MarkovLM(torch.nn.Module):
+    """A causal LM for the statistical decoding tests: the next token's logits are a random table of the last two
+    input ids (a second-order Markov chain over ``inputs`` ids, ``vocab`` outputs). It keeps the ids it has read in
+    a real DynamicCache, so that the engine's cache and its rollback decide what it conditions on, as for any
+    model; a forward costs ~0.1 ms where a two-layer Llama's costs ~3 ms of transformers' per-module Python on
+    2 cores, and these tests make ~50,000 of them each."""
+
+    def __init__(self, seed: int, vocab: int, inputs: int | None = None, scale: float = 1.0, **config):
+        super().__init__()
+        self.inputs = inputs or vocab
+        generator = torch.Generator().manual_seed(seed)
+        # The extra first row: the first position's "previous token".
+        self.register_buffer("table", torch.randn(self.inputs + 1, self.inputs, vocab, generator=generator) * scale)
+        self.config = PretrainedConfig(num_hidden_layers=1, vocab_size=vocab, **config)
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    def forward(self, input_ids, past_key_values=None, use_cache=False, logits_to_keep=0) -> CausalLMOutput:
+        ids = input_ids
+        if past_key_values is not None:  # the cache's keys are the ids read so far, as (B, 1, length, 1)
+            as_states = input_ids[:, None, :, None].float()
+            ids = past_key_values.update(as_states, as_states, 0)[0][:, 0, :, 0].long()
+        previous = torch.cat([ids.new_full((ids.shape[0], 1), self.inputs), ids[:, :-1]], dim=1)
+        logits = self.table[previous, ids][:, -input_ids.shape[1] :]
+        return CausalLMOutput(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
 
 
 def reduced_copy(model, vocab_map: VocabMap):

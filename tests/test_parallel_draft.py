@@ -25,7 +25,7 @@ from pipeline.speculative.engine import (
 )
 from pipeline.speculative.sampler import Sampling, probabilities
 from pipeline.training.parallel_draft import ParallelDraftCollator, attention_mask, mask_token
-from tests.helpers import NO_STOP, PROMPT, VOCAB, assert_follows, full_greedy, llama, tiny_gemma3
+from tests.helpers import NO_STOP, PROMPT, VOCAB, MarkovLM, assert_follows, full_greedy, llama, tiny_gemma3
 
 MASK = VOCAB - 1  # a full-vocabulary drafter's mask: an id the data never uses
 
@@ -153,12 +153,13 @@ def test_sampling_with_a_parallel_drafter_is_the_target_distribution(vocab):
     """First two emitted tokens at T=1 over many seeds against the target's exact two-token distribution, the
     first round drafting both in one forward (the second draft not conditioned on the first)."""
     sampling, size = Sampling(1.0), 8
-    target_model = llama(0, vocab=size, hidden=16)
+    target_model = MarkovLM(0, size, scale=0.5)
     vocab_map = VocabMap(torch.tensor([0, 2, 3, 6]), size) if vocab == "reduced" else None
-    drafter_model = llama(4, vocab=vocab_map.drafter_vocab_size if vocab_map else size, hidden=16)
-    with torch.no_grad():
-        drafter_model.lm_head.weight.mul_(3)
-    drafter = ParallelDrafter(make_parallel(drafter_model, vocab_map, 2, None if vocab_map else size - 1), vocab_map)
+    # make_parallel's mask ids: a reduced vocabulary's own row (N + 1), a full one's unused target id.
+    outputs = vocab_map.drafter_vocab_size if vocab_map else size
+    mask = outputs if vocab_map else size - 1
+    drafter_model = MarkovLM(4, outputs, inputs=max(outputs, mask + 1), **{PARD_TOKEN: mask, PARD_K: 2})
+    drafter = ParallelDrafter(drafter_model, vocab_map)
     prompt = torch.tensor([[1, 2, 3, 2]])
     with torch.inference_mode():
         first = probabilities(target_model(input_ids=prompt).logits[0, -1], sampling)
