@@ -195,8 +195,8 @@ def test_the_record_writer_never_makes_the_caller_wait_for_an_fsync(tmp_path, mo
         broken.close()
 
 
-def test_shards_are_disjoint_and_cover_every_prompt(ci_cfg):
-    ids = [ex.id for ex in load_sources(ci_cfg)[0]] + [f"id-{i}" for i in range(2000)]
+def test_shards_are_disjoint_and_cover_every_prompt(runs_dir):
+    ids = [ex.id for ex in load_sources(compose_config(overrides(runs_dir)))[0]] + [f"id-{i}" for i in range(2000)]
     for num_shards in (1, 2, 3, 8):
         shards = [{i for i in ids if shard_of(i, num_shards) == shard} for shard in range(num_shards)]
         assert sum(map(len, shards)) == len(ids) and set().union(*shards) == set(ids)
