@@ -84,8 +84,8 @@ class MarkovLM(torch.nn.Module):
     """A causal LM for the statistical decoding tests: the next token's logits are a random table of the last two
     input ids (a second-order Markov chain over ``inputs`` ids, ``vocab`` outputs). It keeps the ids it has read in
     a real DynamicCache, so that the engine's cache and its rollback decide what it conditions on, as for any
-    model; a forward costs ~0.1 ms where a two-layer Llama's costs ~3 ms of transformers' per-module Python on
-    2 cores, and these tests make ~50,000 of them each."""
+    model. A three-token generation took 2.4 ms with it against 13.0 ms with two-layer Llamas (transformers'
+    per-module Python) on a 2-core Zen 3, and these tests make 12,000 each."""
 
     def __init__(self, seed: int, vocab: int, inputs: int | None = None, scale: float = 1.0, **config):
         super().__init__()

@@ -106,12 +106,13 @@ def test_extra_prompts_join_the_training_prompts_and_never_the_held_out_ones(tmp
     prompts, once each; the held-out prompts are the pair's own, with or without them, and none is trained on."""
     source = tmp_path / "pairs.jsonl"
     base = ["recipe=ci", "lang=de-en", "data.sources=file", f"data.source_file={source}", "data.heldout_fraction=0.5"]
-    cfg = compose_config(base).data
+    config = compose_config(base)
+    cfg = config.data
     course = packaged.sentences(PromptCorpus.auf_deutsch, "de")
     within = {text for text in course if cfg.min_chars <= len(text) <= cfg.max_chars}
     shared = sorted(within)[:2]  # two of the pair's own prompts are the course's
     source.write_text("".join(json.dumps({"src": text}) + "\n" for text in shared))
-    train, heldout = load_sources(compose_config(base))
+    train, heldout = load_sources(config)
     extended, extended_heldout = load_sources(compose_config([*base, "data.extra_prompts=[auf_deutsch]"]))
     assert extended_heldout == heldout and len(heldout) == 1 and len(train) == 1
     assert extended[: len(train)] == train and heldout[0].src not in {ex.src for ex in extended}
