@@ -36,6 +36,14 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     torch.set_num_threads(1)
 
 
+# vLLM's CPU build runs a server's model in a worker process of its own, beside the engine core (three processes, each
+# importing torch and vLLM); with VLLM_ENABLE_V1_MULTIPROCESSING=0 it keeps the model in the engine core's process, the
+# layout vLLM gives a one-GPU server. The tests' servers and stages start that way: a server is healthy ~17 s sooner
+# on a 2-core Zen 3 (docs/results/2026-12-02-ci-time-vllm-one-worker-zen3.md). The tests that look for vLLM's worker
+# process ask for the CPU's own layout with ``cpu_vllm_worker_process``.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
 def end_to_end(item: pytest.Item) -> bool:
     """A slow or paper test: the stages on real models, servers, clusters."""
     return bool(item.get_closest_marker("slow") or item.get_closest_marker("paper"))
@@ -111,6 +119,12 @@ def torch_threads(request):
     (a slow test of tiny models asks for ``one_thread`` itself)."""
     if not end_to_end(request.node) and not REAL_MODELS & set(request.fixturenames):
         request.getfixturevalue("one_thread")
+
+
+@pytest.fixture
+def cpu_vllm_worker_process(monkeypatch):
+    """The servers this test's stages start run vLLM's CPU layout, the model in a worker process of its own (above)."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
 
 
 @pytest.fixture

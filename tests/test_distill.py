@@ -391,6 +391,7 @@ def test_kill_9_at_random_points_then_rerun_gives_the_exact_record_set(vllm_serv
 
 @pytest.mark.slow
 @pytest.mark.starts_vllm(servers=2)
+@pytest.mark.usefixtures("cpu_vllm_worker_process")
 def test_two_replicas_kill_9_mid_run_leaves_whole_records_and_no_server_process(tmp_path):
     """The acceptance of data parallelism and the background writer: the stage's own vLLM with two replicas
     (--data-parallel-size 2 runs on the CPU build: two engine cores behind one endpoint) answers, then the stage is
@@ -428,6 +429,7 @@ def test_two_replicas_kill_9_mid_run_leaves_whole_records_and_no_server_process(
 
 @pytest.mark.slow
 @pytest.mark.starts_vllm(servers=2)
+@pytest.mark.usefixtures("cpu_vllm_worker_process")
 def test_two_distills_on_one_node_each_ask_only_their_own_server_and_a_preempted_one_takes_its_along(tmp_path):
     """Two distill jobs started together on one node (two Slurm jobs sharing it, one vLLM cache): each starts its
     own server, on a port of its own and with a key of its own. The first is preempted (SIGTERM) mid-run: it tears
