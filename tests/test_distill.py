@@ -141,7 +141,10 @@ def wait_for_vllm_worker(path: Path, process: subprocess.Popen, timeout_s: float
     """The process group of the stage's own server, once vLLM's worker process (the last one it starts) runs."""
     info, deadline = path / "server" / INFO_FILE, time.monotonic() + timeout_s
     while True:
-        assert process.poll() is None and time.monotonic() < deadline, "vLLM's worker never started"
+        assert process.poll() is None and time.monotonic() < deadline, (
+            "vLLM's worker never started (a test that waits for it asks for cpu_vllm_worker_process: the tests' "
+            "servers keep the model in the engine core, tests/conftest.py)"
+        )
         if info.exists():
             group = json.loads(info.read_text())["pgid"]
             if any(command.startswith("VLLM::Worker") for command in live_members(group).values()):
