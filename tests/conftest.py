@@ -43,6 +43,11 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 # process ask for the CPU's own layout with ``cpu_vllm_worker_process``.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+# vLLM inspects a model class in a Python process of its own the first time a cache root meets it (18-31 s of a server's
+# start in a CI run on the 2-core Zen 3) and keeps the answer under VLLM_CACHE_ROOT/modelinfos, keyed by its own source
+# files: one root for every test's servers, not one per test's paths.cache_dir (pipeline/serving/server.py).
+os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO_ROOT / "runs" / "cache" / "vllm"))
+
 
 def end_to_end(item: pytest.Item) -> bool:
     """A slow or paper test: the stages on real models, servers, clusters."""

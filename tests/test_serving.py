@@ -126,6 +126,27 @@ def test_death_during_startup_reports_the_log_line(tmp_path):
     assert server.process is None  # torn down
 
 
+def test_vllm_cache_root_of_the_environment_wins_over_the_cache_dir(tmp_path, monkeypatch):
+    """vLLM's own variable where it is set, else paths.cache_dir/vllm: tests/conftest.py gives every test's server
+    one root, where vLLM keeps what it learnt of a model class instead of inspecting it again in a new process."""
+    launched = []
+
+    def popen(command, env, **kwargs):
+        launched.append(env["VLLM_CACHE_ROOT"])
+        raise InterruptedError  # no server: only its environment is under test
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    (tmp_path / "logs").mkdir()
+    server = VLLMServer(str(tmp_path), "model", tmp_path / "logs", tmp_path / "cache" / "vllm")
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "shared"))
+    with pytest.raises(InterruptedError):
+        server._launch(8000)
+    monkeypatch.delenv("VLLM_CACHE_ROOT")
+    with pytest.raises(InterruptedError):
+        server._launch(8000)
+    assert launched == [str(tmp_path / "shared"), str(tmp_path / "cache" / "vllm")]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["ci", "local"])
 def test_client_sends_the_prompt_ids_with_explicit_sampling(vllm_server, smollm_path, recipe):

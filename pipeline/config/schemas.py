@@ -708,7 +708,8 @@ class PathsConfig:
     runs_dir: str = "runs"  # stage outputs: runs/<target>/<drafter>/...
     # models converted from GGUF and dry runs' stand-ins (hub models: the HF cache, $HF_HOME)
     models_dir: str = "models"
-    # derived data: translation sources, hub rows, pretraining tokens, `make prepare` records
+    # derived data: translation sources, hub rows, pretraining tokens, `make prepare` records; vLLM's cache (vllm/)
+    # unless VLLM_CACHE_ROOT is set
     cache_dir: str = "runs/cache"
 
 

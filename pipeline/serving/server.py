@@ -241,7 +241,7 @@ class VLLMServer:
             os.environ,
             VLLM_CPU_KVCACHE_SPACE=str(self.cpu_kvcache_gb),
             VLLM_CPU_NUM_OF_RESERVED_CPU="0",  # else vLLM keeps one core for itself: one compute thread on 2 cores
-            VLLM_CACHE_ROOT=str(self.cache_dir),
+            VLLM_CACHE_ROOT=os.environ.get("VLLM_CACHE_ROOT", str(self.cache_dir)),  # vLLM's own variable wins
             VLLM_NO_USAGE_STATS="1",
             # the key through the environment, not argv: /proc/PID/cmdline (ps) is readable by every user of the node
             VLLM_API_KEY=self.api_key,
