@@ -587,6 +587,7 @@ def test_eval_chooses_target_dtype_and_k_from_measured_costs_and_says_when_no_k_
         "eval.dtype_candidates=[bfloat16]",
         "eval.temperatures=[0]",  # the choices under test are T=0's
         "eval.methods=[target,speculative]",  # the drafter's K choice and the baseline it is checked against
+        "eval.max_new_tokens=8",  # bfloat16 decodes, emulated on a CPU without its instructions
     ]
     assert cli.main(args) == 0
     printed = capsys.readouterr().out

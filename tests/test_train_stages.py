@@ -42,6 +42,7 @@ ON_POLICY = [
     "train.finetune.on_policy.heldout_prompts=2",
 ]
 TWO_PROCESSES = ["train.pretrain.launch=ddp-cpu", "train.pretrain.num_processes=2"]  # a real 2-rank gloo group
+TWO_JOBS_B_STEPS = 4  # the second of two_ddp_jobs
 
 # German sources and English translations, as the target's distilled answers (real text).
 TRANSLATIONS = [
@@ -111,11 +112,14 @@ def copy_shared_segments(runs_dir) -> None:
 @pytest.fixture(scope="session")
 def two_ddp_jobs(tmp_path_factory, smollm_path):
     """Two uninterrupted 2-process ci pretrains (accelerate launch, gloo), logging every step, started at once on
-    this node as two users' jobs would be: {job: (runs dir, exit code, output)}. Job "a" is ``two_processes``."""
+    this node as two users' jobs would be: {job: (runs dir, exit code, output)}. Job "a" is ``two_processes``; job
+    "b" trains TWO_JOBS_B_STEPS steps, enough to rendezvous and train beside "a", with less of "a"'s two cores."""
     root = tmp_path_factory.mktemp("two-ddp-jobs")
     logs = {name: (root / f"{name}.log").open("w+") for name in ("a", "b")}
+    steps = {"a": [], "b": [f"train.pretrain.max_steps={TWO_JOBS_B_STEPS}"]}
     stages = {
-        name: start_stage("pretrain", overrides(root / name, *PRETRAIN, *TWO_PROCESSES), logs[name]) for name in logs
+        name: start_stage("pretrain", overrides(root / name, *PRETRAIN, *TWO_PROCESSES, *steps[name]), logs[name])
+        for name in logs
     }
     try:
         codes = {name: stage.wait(timeout=600) for name, stage in stages.items()}
@@ -139,9 +143,11 @@ def test_two_ddp_jobs_on_one_node_both_finish(two_ddp_jobs):
     codes = {name: code for name, (_, code, _) in two_ddp_jobs.items()}
     # a string, not the dict: pytest shortens a dict's repr to its first and last characters, the traceback lost
     assert codes == {"a": 0, "b": 0}, "\n".join(f"--- job {name}:\n{job[2]}" for name, job in two_ddp_jobs.items())
-    for runs_dir, _, output in two_ddp_jobs.values():
-        path = stage_dir(compose_config(overrides(runs_dir, *PRETRAIN, *TWO_PROCESSES)), "pretrain").path
-        assert (path / MARKER).exists() and sorted(read_metrics(path)) == list(range(1, 21)), output
+    for name, steps in (("a", 20), ("b", TWO_JOBS_B_STEPS)):
+        runs_dir, _, output = two_ddp_jobs[name]
+        args = overrides(runs_dir, *PRETRAIN, *TWO_PROCESSES, f"train.pretrain.max_steps={steps}")
+        path = stage_dir(compose_config(args), "pretrain").path
+        assert (path / MARKER).exists() and sorted(read_metrics(path)) == list(range(1, steps + 1)), output
 
 
 @pytest.fixture(scope="session")
@@ -258,47 +264,24 @@ def test_preempted_two_process_pretrain_stops_both_ranks_at_one_step_and_resumes
     assert json.loads((resumed / "manifest.json").read_text())["counts"]["processes"] == 1
 
 
-def test_deepspeed_zero2_accumulating_two_micro_batches_matches_one_process(tmp_path, smollm_path):
+def test_deepspeed_zero2_accumulates_as_one_process_and_a_full_disk_during_its_sharded_save_resumes_exactly(
+    tmp_path, smollm_path
+):
     """A real DeepSpeed engine (its CPU accelerator, gloo) under accelerate launch, not DDP under another name, as the
-    paper pretrains (grad_accum 2; Gemma's 8): ZeRO-2 reduces each micro-batch's gradients into its shard and steps
-    at the accumulation boundary; the losses and weights are those of one process accumulating the same
-    micro-batches (each step's micro-batch i is the same examples, split over the ranks or not). The first run
+    paper pretrains (grad_accum 2; Gemma's 8): ZeRO-2 reduces each micro-batch's gradients into its shard, steps at
+    the accumulation boundary and writes its checkpoint in shards, one per rank (torch.save, not safetensors). Once
+    the first checkpoint is whole, the workers get a 4 MiB file size limit (a full disk, a quota): the next save
+    fails, the stage ends in one line naming the fix and the checkpoint it resumes from, which stays whole; a rerun
+    with room resumes from it. Its losses and weights are those of one process accumulating the same micro-batches
+    uninterrupted (each step's micro-batch i is the same examples, split over the ranks or not). The first run
     JIT-builds DeepSpeed's shared-memory comm op (g++, ninja) into ~/.cache/torch_extensions. A preempted ZeRO-2
-    run's shards and exact resume: tests/test_multinode.py (two nodes) and the full-disk test below."""
+    run over two nodes: tests/test_multinode.py."""
     accumulate = [*PRETRAIN, "train.pretrain.grad_accum=2"]
     one = overrides(tmp_path / "one", *accumulate)
     assert cli(["pretrain", *one]) == 0  # in this process: compared within 1e-4, not bit for bit
-    zero = overrides(
-        tmp_path / "zero", *accumulate, "train.pretrain.launch=deepspeed-zero2", "train.pretrain.num_processes=2"
-    )
-    assert cli(["pretrain", *zero]) == 0
-    reference, path = stage_dir(compose_config(one), "pretrain").path, stage_dir(compose_config(zero), "pretrain").path
-    counts = json.loads((path / "manifest.json").read_text())["counts"]
-    assert counts["processes"] == 2 and counts["steps"] == 20 and counts["tokens_seen"] == 20 * 4 * 128
-    assert len(losses(path)) == 20 and losses(path) == pytest.approx(losses(reference), rel=1e-4)
-    drafter = AutoModelForCausalLM.from_pretrained(path / "drafter")
-    assert drafter.lm_head.weight.data_ptr() == drafter.model.embed_tokens.weight.data_ptr()  # still tied
-    zero_weights = drafter.state_dict()
-    one_weights = AutoModelForCausalLM.from_pretrained(reference / "drafter").state_dict()
-    assert all(torch.allclose(zero_weights[name], one_weights[name], atol=1e-4) for name in one_weights)
-
-
-@pytest.mark.parametrize("recipe", ["paper-llama2", "paper-vicuna", "paper-vicuna-f-only", "paper-gemma"])
-def test_paper_recipes_train_under_ddp(recipe):
-    """Their drafters' weights, gradients and Adam state (68M: 1.1 GB, Gemma's 228M: 3.6 GB) fit any GPU: ZeRO-2
-    would save 1-3 GB a GPU and reduce every micro-batch (docs/results/2026-11-27-ddp-vs-zero2.md)."""
-    train = compose_config([f"recipe={recipe}"]).train
-    assert train.pretrain.launch == train.finetune.launch == "ddp"
-
-
-def test_a_full_disk_during_a_deepspeed_sharded_save_is_one_line_and_the_rerun_resumes_exactly(two_processes, tmp_path):
-    """ZeRO-2 writes its checkpoint in shards, one per rank (torch.save, not safetensors). Once the first checkpoint
-    is whole, the workers get a 4 MiB file size limit (a full disk, a quota): the next save fails, the stage ends in
-    one line naming the fix and the checkpoint it resumes from, which stays whole; a rerun with room resumes from it
-    to the uninterrupted run's losses."""
     args = overrides(
-        tmp_path,
-        *PRETRAIN,
+        tmp_path / "zero",
+        *accumulate,
         "train.pretrain.launch=deepspeed-zero2",
         "train.pretrain.num_processes=2",
         "train.pretrain.save_every=5",
@@ -325,8 +308,23 @@ def test_a_full_disk_during_a_deepspeed_sharded_save_is_one_line_and_the_rerun_r
     assert latest_checkpoint(path) == first and not (path / MARKER).exists()
 
     assert cli(["pretrain", *args]) == 0
-    reference = stage_dir(compose_config(overrides(two_processes, *PRETRAIN, *TWO_PROCESSES)), "pretrain").path
-    assert losses(path) == pytest.approx(losses(reference), rel=1e-5)
+    reference = stage_dir(compose_config(one), "pretrain").path
+    counts = json.loads((path / "manifest.json").read_text())["counts"]
+    assert counts["processes"] == 2 and counts["steps"] == 20 and counts["tokens_seen"] == 20 * 4 * 128
+    assert len(losses(path)) == 20 and losses(path) == pytest.approx(losses(reference), rel=1e-4)
+    drafter = AutoModelForCausalLM.from_pretrained(path / "drafter")
+    assert drafter.lm_head.weight.data_ptr() == drafter.model.embed_tokens.weight.data_ptr()  # still tied
+    zero_weights = drafter.state_dict()
+    one_weights = AutoModelForCausalLM.from_pretrained(reference / "drafter").state_dict()
+    assert all(torch.allclose(zero_weights[name], one_weights[name], atol=1e-4) for name in one_weights)
+
+
+@pytest.mark.parametrize("recipe", ["paper-llama2", "paper-vicuna", "paper-vicuna-f-only", "paper-gemma"])
+def test_paper_recipes_train_under_ddp(recipe):
+    """Their drafters' weights, gradients and Adam state (68M: 1.1 GB, Gemma's 228M: 3.6 GB) fit any GPU: ZeRO-2
+    would save 1-3 GB a GPU and reduce every micro-batch (docs/results/2026-11-27-ddp-vs-zero2.md)."""
+    train = compose_config([f"recipe={recipe}"]).train
+    assert train.pretrain.launch == train.finetune.launch == "ddp"
 
 
 def test_ctrl_c_stops_the_accelerate_workers_with_the_stage(tmp_path):
