@@ -306,8 +306,12 @@ def test_deepspeed_zero2_accumulates_as_one_process_and_a_full_disk_during_its_s
     assert last.startswith("error: no room to write (") and "free space (or raise the quota)" in last, log[-3000:]
     assert last.endswith("checkpoint step-00000010 was not written, and the run resumes from step-00000005"), last
     assert latest_checkpoint(path) == first and not (path / MARKER).exists()
+    uninterrupted = {step: row["loss"] for step, row in read_metrics(path).items() if step > 5}  # the failed run's
+    assert uninterrupted, log[-3000:]
 
     assert cli(["pretrain", *args]) == 0
+    resumed = read_metrics(path)  # the same two ranks, from step 5's shards: as the failed run trained on from there
+    assert {step: resumed[step]["loss"] for step in uninterrupted} == pytest.approx(uninterrupted, rel=1e-5)
     reference = stage_dir(compose_config(one), "pretrain").path
     counts = json.loads((path / "manifest.json").read_text())["counts"]
     assert counts["processes"] == 2 and counts["steps"] == 20 and counts["tokens_seen"] == 20 * 4 * 128
