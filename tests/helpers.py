@@ -28,6 +28,7 @@ from pipeline.models.drafter import save_drafter
 from pipeline.models.vocab import VocabMap
 from pipeline.rundir import stage_dir
 from pipeline.speculative.engine import StopCondition
+from pipeline.training.launch import read_metrics
 
 VOCAB = 64  # the decoding tests' vocabulary
 NO_STOP = StopCondition(tokenizer=None)
@@ -210,6 +211,12 @@ def command_lines() -> list[bytes]:
         except OSError:  # the process ended meanwhile
             continue
     return lines
+
+
+def logged_losses(stage_path: Path) -> list[float]:
+    """A training run's logged losses, step by step (its metrics.jsonl)."""
+    metrics = read_metrics(stage_path)
+    return [metrics[step]["loss"] for step in sorted(metrics)]
 
 
 def start_stage(stage: str, args: list[str], output) -> subprocess.Popen:

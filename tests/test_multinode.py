@@ -25,6 +25,7 @@ from pipeline.rundir import MARKER, stage_dir
 from pipeline.serving.server import free_port
 from pipeline.training.launch import read_metrics
 from pipeline.workers import EXIT_PREEMPTED
+from tests.helpers import logged_losses
 
 pytestmark = pytest.mark.slow
 TRAIN_NODE = str(REPO_ROOT / "slurm" / "train-node.sh")
@@ -121,11 +122,6 @@ def relay_to_step(nodes: list[subprocess.Popen], signum: int) -> None:
             pass
 
 
-def losses(path: Path) -> list[float]:
-    metrics = read_metrics(path)
-    return [metrics[step]["loss"] for step in sorted(metrics)]
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, smollm_path):
     runs_dir = tmp_path_factory.mktemp("uninterrupted")
@@ -170,7 +166,7 @@ def test_two_node_pretrain_stopped_at_its_time_limit_resumes_to_the_same_losses(
     assert codes == [0, 0], log
     assert f"(step {stopped_at} of 10)" in log and (path / MARKER).exists(), log
     assert len((path / "metrics.jsonl").read_text().splitlines()) == 10  # no step trained twice
-    assert losses(path) == losses(reference)
+    assert logged_losses(path) == logged_losses(reference)
 
 
 def distill_records(runs_dir: Path, target_path: str) -> None:

@@ -19,10 +19,10 @@ from pipeline.config import compose_config
 from pipeline.rundir import MARKER, stage_dir
 from pipeline.stages import distill, export, finetune, pretrain
 from pipeline.stages import eval as eval_stage
-from pipeline.training.launch import LAUNCH_CONFIG, read_metrics
+from pipeline.training.launch import LAUNCH_CONFIG
 from pipeline.training.loop import CHECKPOINTS
 from pipeline.workers import EXIT_PREEMPTED
-from tests.helpers import run_stage, start_stage
+from tests.helpers import logged_losses, run_stage, start_stage
 
 TWO_PROCESSES = ["train.pretrain.launch=ddp-cpu", "train.pretrain.num_processes=2"]
 
@@ -35,11 +35,6 @@ def overrides(runs_dir, *extra) -> list[str]:
         "train.pretrain.log_every=1",
         *extra,
     ]
-
-
-def losses(stage_path) -> list[float]:
-    metrics = read_metrics(stage_path)
-    return [metrics[step]["loss"] for step in sorted(metrics)]
 
 
 def wait_for(condition, child: subprocess.Popen, what: str, timeout: float = 240) -> None:
@@ -138,7 +133,7 @@ def test_kill_9_during_checkpointing_resumes_to_the_uninterrupted_losses(tmp_pat
     every_step = ["train.pretrain.save_every=1", "train.pretrain.max_steps=8"]
     reference_args = overrides(tmp_path / "reference", *every_step)
     run_stage("pretrain", reference_args)
-    reference = losses(stage_dir(compose_config(reference_args), "pretrain").path)
+    reference = logged_losses(stage_dir(compose_config(reference_args), "pretrain").path)
 
     args = overrides(tmp_path / "killed", *every_step)
     path = stage_dir(compose_config(args), "pretrain").path
@@ -155,4 +150,4 @@ def test_kill_9_during_checkpointing_resumes_to_the_uninterrupted_losses(tmp_pat
         assert not (path / MARKER).exists(), f"seed {seed}: the run finished before kill {kill}"
 
     run_stage("pretrain", args)
-    assert losses(path) == reference, f"seed {seed}, delays {delays}"  # exactly: every step as if never killed
+    assert logged_losses(path) == reference, f"seed {seed}, delays {delays}"  # exactly: every step as if never killed

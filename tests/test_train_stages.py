@@ -28,7 +28,7 @@ from pipeline.training.data import Collator, TokenStrings, finetune_examples, re
 from pipeline.training.launch import read_metrics
 from pipeline.training.loop import latest_checkpoint
 from pipeline.workers import EXIT_PREEMPTED
-from tests.helpers import run_stage, start_stage, target_alone_on
+from tests.helpers import logged_losses, run_stage, start_stage, target_alone_on
 
 pytestmark = pytest.mark.slow
 
@@ -59,11 +59,6 @@ TRANSLATIONS = [
 
 def overrides(runs_dir, *extra) -> list[str]:
     return ["recipe=ci", f"paths.runs_dir={runs_dir}", f"paths.cache_dir={runs_dir}/cache", *extra]
-
-
-def losses(stage_path) -> list[float]:
-    metrics = read_metrics(stage_path)
-    return [metrics[step]["loss"] for step in sorted(metrics)]
 
 
 def signal_after(child, path, steps: int, signum: int = signal.SIGTERM) -> int:
@@ -202,7 +197,7 @@ def test_pretrain_writes_a_drafter_and_its_loss_falls(pretrained):
     assert (path / MARKER).exists()
     counts = json.loads((path / "manifest.json").read_text())["counts"]
     assert counts["steps"] == 20 and counts["tokens_seen"] == 20 * 4 * 128 and 190 <= counts["documents"] <= 200
-    curve = losses(path)
+    curve = logged_losses(path)
     assert len(curve) == 20 and sum(curve[-3:]) / 3 < curve[0] - 0.3, curve
     drafter = AutoModelForCausalLM.from_pretrained(path / "drafter")
     assert drafter.config.vocab_size == 49152 and VocabMap.load(path / "drafter") is None
@@ -217,7 +212,7 @@ def test_preempted_pretrain_exits_incomplete_and_resumes_to_the_same_losses(pret
     run_stage("pretrain", args)
     assert (path / MARKER).exists()
     reference = stage_dir(compose_config(overrides(pretrained)), "pretrain").path
-    assert losses(path) == losses(reference)  # exactly: same weights, optimizer, schedule, data position
+    assert logged_losses(path) == logged_losses(reference)  # exactly: same weights, optimizer, schedule, data position
 
 
 def test_two_process_accelerate_launch_matches_one_process(pretrained, two_processes):
@@ -225,7 +220,7 @@ def test_two_process_accelerate_launch_matches_one_process(pretrained, two_proce
     path = stage_dir(compose_config(args), "pretrain").path
     reference = stage_dir(compose_config(overrides(pretrained)), "pretrain").path
     # Each step's global batch is split over the two gloo processes: same data, same loss up to float sums.
-    assert losses(path) == pytest.approx(losses(reference), rel=1e-4)
+    assert logged_losses(path) == pytest.approx(logged_losses(reference), rel=1e-4)
     counts = json.loads((path / "manifest.json").read_text())["counts"]
     assert counts["processes"] == 2 and counts["tokens_seen"] == 20 * 4 * 128  # a real 2-rank gloo group
     two = AutoModelForCausalLM.from_pretrained(path / "drafter").state_dict()
@@ -251,7 +246,7 @@ def test_preempted_two_process_pretrain_stops_both_ranks_at_one_step_and_resumes
     assert cli(["pretrain", *args]) == 0  # resume=auto, again with 2 processes
     assert (path / MARKER).exists()
     reference = stage_dir(compose_config(overrides(two_processes, *PRETRAIN, *TWO_PROCESSES)), "pretrain").path
-    assert losses(path) == losses(reference)  # exactly, as with one process
+    assert logged_losses(path) == logged_losses(reference)  # exactly, as with one process
     assert len((path / "metrics.jsonl").read_text().splitlines()) == 20
 
     # num_processes is not part of the stage's config: one process resumes the 2-process checkpoint (DDP
@@ -259,7 +254,7 @@ def test_preempted_two_process_pretrain_stops_both_ranks_at_one_step_and_resumes
     single = overrides(one_process, *PRETRAIN)
     assert cli(["pretrain", *single]) == 0
     resumed = stage_dir(compose_config(single), "pretrain").path
-    assert losses(resumed) == pytest.approx(losses(reference), rel=1e-4)
+    assert logged_losses(resumed) == pytest.approx(logged_losses(reference), rel=1e-4)
     assert len((resumed / "metrics.jsonl").read_text().splitlines()) == 20  # resumed: no step trained twice
     assert json.loads((resumed / "manifest.json").read_text())["counts"]["processes"] == 1
 
@@ -315,7 +310,7 @@ def test_deepspeed_zero2_accumulates_as_one_process_and_a_full_disk_during_its_s
     reference = stage_dir(compose_config(one), "pretrain").path
     counts = json.loads((path / "manifest.json").read_text())["counts"]
     assert counts["processes"] == 2 and counts["steps"] == 20 and counts["tokens_seen"] == 20 * 4 * 128
-    assert len(losses(path)) == 20 and losses(path) == pytest.approx(losses(reference), rel=1e-4)
+    assert len(logged_losses(path)) == 20 and logged_losses(path) == pytest.approx(logged_losses(reference), rel=1e-4)
     drafter = AutoModelForCausalLM.from_pretrained(path / "drafter")
     assert drafter.lm_head.weight.data_ptr() == drafter.model.embed_tokens.weight.data_ptr()  # still tied
     zero_weights = drafter.state_dict()
@@ -353,7 +348,7 @@ def test_finetune_from_pretrain_on_distilled_records(distilled):
     path = stage_dir(compose_config(args), "finetune").path
     counts = json.loads((path / "manifest.json").read_text())["counts"]
     assert counts["records"] == 16 and counts["temperatures"] == [0.0, 1.0] and counts["steps"] == 20
-    curve = losses(path)
+    curve = logged_losses(path)
     assert len(curve) == 20 and sum(curve[-3:]) / 3 < curve[0] - 0.3, curve  # as pretraining's: over the run
     drafter = AutoModelForCausalLM.from_pretrained(path / "drafter")
     pretrained_drafter = AutoModelForCausalLM.from_pretrained(
@@ -516,7 +511,7 @@ def test_finetune_with_a_kd_loss_on_the_targets_top_k(distilled, smollm_path):
     path = stage_dir(compose_config(args), "finetune").path
     counts = json.loads((path / "manifest.json").read_text())["counts"]
     assert 0.3 < counts["teacher_coverage"] < 1.0  # stops, EOS and off-top-k tokens keep CE
-    curve = losses(path)
+    curve = logged_losses(path)
     # Step 1's loss is the initial drafter's, before any update: the KD loss of the first batch, not its CE.
     kd, ce = first_batch_losses(compose_config(args), smollm_path)
     assert curve[0] == pytest.approx(kd, rel=1e-4) and abs(kd - ce) > 0.05, (curve[0], kd, ce)
@@ -584,9 +579,9 @@ def test_packed_finetune_trains_on_the_same_examples(distilled):
     path = stage_dir(compose_config(args), "finetune").path
     counts = json.loads((path / "manifest.json").read_text())["counts"]
     assert counts["records"] == 16 and counts["steps"] == 20
-    curve = losses(path)
+    curve = logged_losses(path)
     assert len(curve) == 20 and sum(curve[-3:]) / 3 < curve[0] - 0.3, curve
-    unpacked = losses(stage_dir(compose_config(unpacked_args), "finetune").path)
+    unpacked = logged_losses(stage_dir(compose_config(unpacked_args), "finetune").path)
     assert curve == pytest.approx(unpacked, rel=1e-3)  # the same examples per step, rows packed
 
 
@@ -704,7 +699,7 @@ def head_pretrained(distilled):
 
 def test_head_pretrain_learns_and_a_preempted_one_resumes_to_the_same_losses(head_pretrained, tmp_path):
     reference = stage_dir(compose_config(overrides(head_pretrained, *HEAD)), "pretrain").path
-    curve = losses(reference)
+    curve = logged_losses(reference)
     assert len(curve) == 6 and curve[-1] < curve[0], curve
     head = AutoModelForCausalLM.from_pretrained(reference / "drafter")
     assert head.config.aux_layer_ids == [2, 15, 27] and head.config.draft_vocab_size == 2048  # 30 layers: vLLM's
@@ -712,7 +707,7 @@ def test_head_pretrain_learns_and_a_preempted_one_resumes_to_the_same_losses(hea
     args = overrides(tmp_path, *HEAD)
     path, _, _ = preempt_stage("pretrain", args, tmp_path, steps=2, stops_before=6)
     run_stage("pretrain", args)
-    assert losses(path) == losses(reference)  # exactly: the same head, optimizer, schedule, data and target states
+    assert logged_losses(path) == logged_losses(reference)  # exactly: same head, optimizer, schedule, data, states
 
 
 @pytest.fixture(scope="session")
@@ -731,7 +726,7 @@ def eval_metrics(args: list[str]) -> dict:
 
 
 def test_head_finetunes_on_the_pair_and_the_eval_drafts_with_it_losslessly(head_finetuned):
-    assert len(losses(stage_dir(compose_config(head_finetuned), "finetune").path)) == 6
+    assert len(logged_losses(stage_dir(compose_config(head_finetuned), "finetune").path)) == 6
     metrics = eval_metrics(head_finetuned)
     lossless = metrics["lossless"]
     drafted = set(metrics["results"]["de-en"]["T=0.0"]["seeds"]["0"]) - {"target"}
