@@ -159,13 +159,15 @@ def test_bundestag_speeches_become_whole_sentences_without_the_records_notes_and
 
     base = ["recipe=ci", "lang=de-en", "data.extra_prompts=[auf_deutsch,bundestag]"]
     every = extra_prompts(compose_config(base), set())
-    course = [ex for ex in every if ex.src in set(packaged.sentences(PromptCorpus.auf_deutsch, "de"))]
+    course_sentences = set(packaged.sentences(PromptCorpus.auf_deutsch, "de"))
+    course = [ex for ex in every if ex.src in course_sentences]
     assert len(every) > 16000 and every[: len(course)] == course
     capped = (compose_config([*base, f"data.max_extra_prompts={n}"]) for n in (300, 3000))
     smaller, larger = (extra_prompts(cfg, set()) for cfg in capped)
     assert len(smaller) == 300 and len(larger) == 3000 and larger[: len(course)] == course  # the course first, whole
     assert {ex.id for ex in smaller} < {ex.id for ex in course} and set(larger) < set(every)
-    assert [ex for ex in every if ex in set(smaller)] == smaller  # in the corpus' own order
+    chosen = set(smaller)
+    assert [ex for ex in every if ex in chosen] == smaller  # in the corpus' own order
 
 
 def test_a_distill_without_extra_prompts_keeps_the_hash_it_had_before_the_keys():
